@@ -1,0 +1,25 @@
+# `make demo` and `make test` set everything up on a fresh machine, then run.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test bench
+
+setup: $(STAMP)
+
+# torch is pinned first so that pip takes the CPU build on disk, not a CUDA build.
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	$(PY) examples/demo.py
+
+test: setup
+	$(PY) -m pytest -q -n 2 --dist loadfile
+
+bench: setup
+	$(PY) bench/compiler_throughput.py

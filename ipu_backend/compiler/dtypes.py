@@ -1,0 +1,55 @@
+"""Dtype mapping and host conversion between torch tensors and JAX arrays.
+
+JAX runs in its default 32-bit mode: torch's int64 is carried as int32 and float64 as float32
+on the device, and converted back at the host boundary. That keeps programs fast on every
+backend and leaves the user's global JAX configuration alone.
+"""
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import torch
+
+from ipu_backend.errors import Error
+
+_TORCH_TO_JAX = {
+    torch.float32: jnp.float32,
+    torch.float64: jnp.float32,
+    torch.float16: jnp.float16,
+    torch.bfloat16: jnp.bfloat16,
+    torch.int64: jnp.int32,
+    torch.int32: jnp.int32,
+    torch.int16: jnp.int16,
+    torch.int8: jnp.int8,
+    torch.uint8: jnp.uint8,
+    torch.bool: jnp.bool_,
+}
+
+
+def jax_dtype(dtype: torch.dtype):
+    """The JAX dtype that carries a torch dtype on the device."""
+    try:
+        return _TORCH_TO_JAX[dtype]
+    except KeyError:
+        raise Error(f"dtype {dtype} is not supported on emulated IPUs; use one of "
+                    f"{sorted(str(d) for d in _TORCH_TO_JAX)}") from None
+
+
+def to_jax(tensor: torch.Tensor):
+    """Copy a torch tensor to a JAX array of its device dtype."""
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        array = tensor.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    else:
+        array = tensor.cpu().numpy()
+    return jnp.asarray(array, dtype=jax_dtype(tensor.dtype))
+
+
+def to_torch(array, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Copy a JAX array to a torch tensor, restoring the torch dtype it stands for."""
+    host = np.asarray(array)
+    if host.dtype == ml_dtypes.bfloat16:
+        tensor = torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16)
+    else:
+        tensor = torch.from_numpy(np.array(host, copy=True))
+    return tensor if dtype is None else tensor.to(dtype)

@@ -1,0 +1,106 @@
+"""Evaluate a core-ATen FX graph with JAX arrays, one lowering per node.
+
+This runs only while JAX traces the program, so its cost is paid once per compilation.
+"""
+
+import operator
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from ipu_backend.compiler import registry
+from ipu_backend.compiler.dtypes import jax_dtype
+from ipu_backend.compiler.sources import user_location
+from ipu_backend.errors import Error
+
+
+@dataclass
+class LoweringContext:
+    """What a lowering may need besides its arguments."""
+
+    node: torch.fx.Node
+    base_key: jax.Array
+    path: tuple = field(default=())
+
+    @property
+    def out(self):
+        """The node's output as torch's fake tensor(s): shape and dtype that torch produces."""
+        return self.node.meta.get("val")
+
+    def key(self) -> jax.Array:
+        """A random key owned by this node: deterministic per seed, distinct per node."""
+        key = self.base_key
+        for index in self.path:
+            key = jax.random.fold_in(key, index)
+        return key
+
+    def location(self) -> str:
+        return user_location(self.node.meta.get("stack_trace")) or "unknown source line"
+
+    def run_subgraph(self, graph_module: torch.fx.GraphModule, args, index: int):
+        """Evaluate a nested graph (``torch.cond`` branches) with keys of its own."""
+        return run_graph(graph_module, args, self.base_key, self.path + (index,))
+
+
+def unsupported_ops(graph_module: torch.fx.GraphModule) -> list[tuple[str, str]]:
+    """``(op, user location)`` for each node, nested graphs included, that has no lowering."""
+    missing = []
+    for node in graph_module.graph.nodes:
+        if node.op == "call_function" and node.target is not operator.getitem:
+            if registry.lookup(node.target) is None:
+                missing.append((str(node.target),
+                                user_location(node.meta.get("stack_trace")) or "unknown source line"))
+        if node.op == "get_attr":
+            value = getattr(graph_module, node.target)
+            if isinstance(value, torch.fx.GraphModule):
+                missing.extend(unsupported_ops(value))
+    return missing
+
+
+def run_graph(graph_module: torch.fx.GraphModule, inputs, base_key, path=()):
+    """Evaluate ``graph_module`` on ``inputs`` (one per placeholder); returns the output node's args."""
+    env = {}
+    placeholders = iter(inputs)
+    for index, node in enumerate(graph_module.graph.nodes):
+        if node.op == "placeholder":
+            env[node] = next(placeholders)
+        elif node.op == "get_attr":
+            env[node] = getattr(graph_module, node.target)
+        elif node.op == "call_function":
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+            if node.target is operator.getitem:
+                env[node] = args[0][args[1]]
+            else:
+                ctx = LoweringContext(node, base_key, path + (index,))
+                env[node] = _lower(ctx, args, kwargs)
+        elif node.op == "output":
+            return torch.fx.node.map_arg(node.args[0], env.__getitem__)
+        else:
+            raise Error(f"unexpected graph node {node.op} {node.target}")
+    raise Error("graph has no output node")
+
+
+def _lower(ctx: LoweringContext, args, kwargs):
+    rule = registry.lookup(ctx.node.target)
+    if rule is None:
+        raise Error(f"{ctx.node.target} has no lowering (called from {ctx.location()})")
+    result = rule(ctx, *args, **kwargs)
+    return _match_torch(result, ctx.out, ctx)
+
+
+def _match_torch(result, meta, ctx):
+    """Cast to the dtype torch gives this op (so type promotion always follows torch) and check
+    the shape, so that a wrong lowering fails here, naming itself, rather than far downstream."""
+    if isinstance(meta, torch.Tensor):
+        want = jax_dtype(meta.dtype)
+        if getattr(result, "dtype", None) != want:
+            result = jnp.asarray(result, dtype=want)
+        if tuple(result.shape) != tuple(meta.shape):
+            raise Error(f"lowering of {ctx.node.target} gave shape {tuple(result.shape)} where torch "
+                        f"gives {tuple(meta.shape)} (at {ctx.location()})")
+        return result
+    if isinstance(meta, (tuple, list)) and isinstance(result, (tuple, list)):
+        return type(result)(_match_torch(r, m, ctx) for r, m in zip(result, meta))
+    return result

@@ -1,0 +1,15 @@
+"""Lowerings grouped by op family; importing this package registers them all."""
+
+from ipu_backend.compiler.lowerings import (  # noqa: F401
+    comparison,
+    control_flow,
+    convolution,
+    creation,
+    elementwise,
+    linalg,
+    losses,
+    normalization,
+    random,
+    reductions,
+    views,
+)

@@ -1,0 +1,143 @@
+"""A compiled program: a pure JAX step function plus what a runtime needs to drive it."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import torch
+import torch.utils._pytree as torch_pytree
+from torch.export.graph_signature import InputKind, OutputKind
+
+from ipu_backend.compiler import capture, interpreter
+from ipu_backend.compiler.dtypes import to_jax
+from ipu_backend.compiler.sources import user_location
+from ipu_backend.errors import Error
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Program:
+    """``fn(params, buffers, inputs, rng_key) -> (outputs, new_buffers)``, pure and jittable.
+
+    ``params``/``buffers`` map state_dict names to JAX arrays; ``inputs`` is the tuple of
+    positional arguments (JAX arrays where torch had tensors); ``new_buffers`` holds every
+    buffer, mutated ones updated. ``logged_fn`` also returns the ``self.log`` values by name.
+    """
+
+    logged_fn: Callable
+    params: tuple[TensorSpec, ...]
+    buffers: tuple[TensorSpec, ...]
+    mutated_buffers: tuple[str, ...]
+    output_spec: torch_pytree.TreeSpec
+    logs: tuple[capture.LogCall, ...]
+    source_locations: dict
+    graph_module: torch.fx.GraphModule
+
+    def fn(self, params, buffers, inputs, rng_key):
+        outputs, new_buffers, _ = self.logged_fn(params, buffers, inputs, rng_key)
+        return outputs, new_buffers
+
+    def state(self, module: torch.nn.Module) -> tuple[dict, dict]:
+        """The module's current parameters and buffers as JAX arrays, keyed as the program wants."""
+        tensors = dict(module.named_parameters())
+        tensors.update(module.named_buffers())
+        return ({s.name: to_jax(tensors[s.name]) for s in self.params},
+                {s.name: to_jax(tensors[s.name]) for s in self.buffers})
+
+
+def compile_module(module: torch.nn.Module, example_args: tuple, method: str | None = None) -> Program:
+    """Capture ``module(*example_args)`` (or ``module.<method>(*example_args)``) as a Program."""
+    target = module if method is None else capture.StepCall(module, method)
+    exported = capture.export(target, tuple(example_args))
+    missing = interpreter.unsupported_ops(exported.graph_module)
+    if missing:
+        listing = "\n".join(f"  {op} at {where}" for op, where in missing)
+        raise Error("these operations have no lowering to JAX:\n" + listing +
+                    "\nRewrite those lines with supported torch operations, or register a "
+                    "lowering with ipu_backend.compiler.lowering(<op overload>).")
+    prefix = "" if method is None else "module."
+    logs = () if method is None else tuple(target.recorder.calls)
+    return _build(module, exported, prefix, logs)
+
+
+def _ordered_specs(module, names: set[str]) -> tuple[TensorSpec, ...]:
+    """Specs in state_dict() order, then any non-persistent buffers."""
+    tensors = dict(module.named_parameters())
+    tensors.update(module.named_buffers())
+    order = [n for n in module.state_dict(keep_vars=True) if n in names]
+    order += sorted(names - set(order))
+    return tuple(TensorSpec(n, tuple(tensors[n].shape), tensors[n].dtype) for n in order)
+
+
+def _build(module, exported, prefix, logs) -> Program:
+    signature = exported.graph_signature
+    strip = lambda target: target[len(prefix):]  # noqa: E731
+    inputs = []
+    for spec in signature.input_specs:
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            inputs.append((spec.kind, strip(spec.target)))
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            inputs.append((spec.kind, to_jax(exported.constants[spec.target])))
+        elif spec.kind == InputKind.USER_INPUT:
+            inputs.append((spec.kind, None))
+        else:
+            raise Error(f"graph input {spec.arg.name} of kind {spec.kind.name} is not supported")
+    mutated = []
+    for spec in signature.output_specs:
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            mutated.append(strip(spec.target))
+        elif spec.kind != OutputKind.USER_OUTPUT:
+            raise Error(f"the program updates {spec.target} in place ({spec.kind.name}); only "
+                        "buffers may be updated in place: return the new value instead")
+    param_names = {name for kind, name in inputs if kind == InputKind.PARAMETER}
+    buffer_names = {name for kind, name in inputs if kind == InputKind.BUFFER}
+    graph_module = exported.graph_module
+    in_spec = exported.call_spec.in_spec
+    out_spec = exported.call_spec.out_spec
+    n_mutated = len(mutated)
+    with_logs = bool(prefix)
+    log_names = [call.name for call in logs if call.is_tensor]
+
+    def logged_fn(params, buffers, user_inputs, rng_key):
+        leaves, spec = torch_pytree.tree_flatten((tuple(user_inputs), {}))
+        if spec != in_spec:
+            raise Error(f"inputs have structure {spec}, the program was compiled for {in_spec}")
+        leaves = iter(leaves)
+        graph_inputs = []
+        for kind, value in inputs:
+            if kind == InputKind.PARAMETER:
+                graph_inputs.append(params[value])
+            elif kind == InputKind.BUFFER:
+                graph_inputs.append(buffers[value])
+            elif kind == InputKind.CONSTANT_TENSOR:
+                graph_inputs.append(value)
+            else:
+                graph_inputs.append(next(leaves))
+        results = interpreter.run_graph(graph_module, graph_inputs, rng_key)
+        new_buffers = dict(buffers)
+        new_buffers.update(zip(mutated, results[:n_mutated]))
+        outputs = torch_pytree.tree_unflatten(list(results[n_mutated:]), out_spec)
+        logged = {}
+        if with_logs:
+            outputs, values = outputs
+            logged = dict(zip(log_names, values))
+        return outputs, new_buffers, logged
+
+    locations = {node.name: user_location(node.meta.get("stack_trace"))
+                 for node in graph_module.graph.nodes if node.op == "call_function"}
+    return Program(
+        logged_fn=logged_fn,
+        params=_ordered_specs(module, param_names),
+        buffers=_ordered_specs(module, buffer_names),
+        mutated_buffers=tuple(mutated),
+        output_spec=out_spec,
+        logs=logs,
+        source_locations=locations,
+        graph_module=graph_module,
+    )
