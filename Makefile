@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(PY) examples/demo.py
+	cd examples && $(abspath $(PY)) demo.py
 
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile

@@ -1,0 +1,172 @@
+"""Capture: program structure, step methods with self.log, source lines and error messages."""
+
+import re
+
+import jax
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ipu_backend import Error
+from ipu_backend.compiler import compile_module, to_jax
+from tests.compiler.harness import assert_close
+
+THIS_FILE = __file__
+
+
+def line_of(marker: str) -> int:
+    """The line number in this file of the line containing ``marker``."""
+    with open(THIS_FILE) as source:
+        for number, line in enumerate(source, 1):
+            if marker in line and "line_of(" not in line:
+                return number
+    raise AssertionError(marker)
+
+
+def run(program, module, *args, seed=0):
+    params, buffers = program.state(module)
+    inputs = tuple(to_jax(a) if isinstance(a, torch.Tensor) else a for a in args)
+    return jax.jit(program.logged_fn)(params, buffers, inputs, jax.random.key(seed))
+
+
+class Structured(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+        self.norm = torch.nn.BatchNorm1d(3)
+
+    def forward(self, x):
+        h = self.norm(self.linear(x))
+        return {"h": h, "pair": (h.sum(), [h * 2, None]), "k": 3}
+
+
+def test_output_structure_and_state_order_follow_torch():
+    torch.manual_seed(0)
+    module = Structured().train()
+    x = torch.randn(5, 4)
+    program = compile_module(module, (x,))
+    assert [s.name for s in program.params] == ["linear.weight", "linear.bias", "norm.weight", "norm.bias"]
+    assert [s.name for s in program.buffers] == ["norm.running_mean", "norm.running_var",
+                                                  "norm.num_batches_tracked"]
+    assert program.buffers[2].dtype == torch.int64
+    assert set(program.mutated_buffers) == {"norm.running_mean", "norm.running_var",
+                                            "norm.num_batches_tracked"}
+    outputs, new_buffers, logged = run(program, module, x)
+    expected = module(x)
+    assert set(outputs) == {"h", "pair", "k"} and outputs["k"] == 3
+    assert isinstance(outputs["pair"], tuple) and isinstance(outputs["pair"][1], list)
+    assert outputs["pair"][1][1] is None
+    assert_close(outputs["h"], expected["h"], 1e-5, 1e-6)
+    assert_close(outputs["pair"][0], expected["pair"][0], 1e-5, 1e-5)
+    assert_close(outputs["pair"][1][0], expected["pair"][1][0], 1e-5, 1e-6)
+    for name, value in module.named_buffers():
+        assert_close(new_buffers[name], value, 1e-5, 1e-6, name)
+    assert logged == {}
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.layer(x), y)
+        self.log("train_loss", loss, prog_bar=True, on_step=True)
+        self.log_dict({"abs_mean": self.layer(x).abs().mean(), "lr_const": 0.5})
+        return {"loss": loss}
+
+
+def test_training_step_capture_returns_logged_values_as_outputs():
+    torch.manual_seed(0)
+    module = Regressor()
+    batch = (torch.randn(8, 3), torch.randn(8, 2))
+    program = compile_module(module, (batch, 0), method="training_step")
+    assert [s.name for s in program.params] == ["layer.weight", "layer.bias"]
+    calls = {call.name: call for call in program.logs}
+    assert calls["train_loss"].kwargs == {"prog_bar": True, "on_step": True}
+    assert calls["train_loss"].is_tensor and calls["abs_mean"].is_tensor
+    assert calls["lr_const"].constant == 0.5 and not calls["lr_const"].is_tensor
+    outputs, _, logged = run(program, module, batch, 0)
+    x, y = batch
+    expected_loss = F.mse_loss(module.layer(x), y)
+    assert_close(outputs["loss"], expected_loss, 1e-5, 1e-6)
+    assert_close(logged["train_loss"], expected_loss, 1e-5, 1e-6)
+    assert_close(logged["abs_mean"], module.layer(x).abs().mean(), 1e-5, 1e-6)
+    assert "log" not in vars(module), "the log recorder must be removed after capture"
+
+
+def test_logging_an_unsupported_value_is_a_clear_error():
+    class LogsAnObject(Regressor):
+        def training_step(self, batch, batch_idx):
+            self.log("thing", object())
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(Error, match=r"self.log\('thing', \.\.\.\) got a object"):
+        compile_module(LogsAnObject(), ((torch.randn(2, 3), torch.randn(2, 2)), 0), method="training_step")
+
+
+def test_source_locations_point_at_user_lines():
+    class Net(torch.nn.Module):
+        def forward(self, x):
+            return torch.relu(x)  # relu-line
+
+    program = compile_module(Net(), (torch.randn(3),))
+    assert f"{THIS_FILE}:{line_of('# relu-line')}" in program.source_locations["relu"]
+
+
+def test_unsupported_op_names_the_op_and_the_user_line():
+    class Spectral(torch.nn.Module):
+        def forward(self, x):
+            return torch.fft.rfft(x).abs()  # fft-line
+
+    with pytest.raises(Error) as info:
+        compile_module(Spectral(), (torch.randn(8),))
+    message = str(info.value)
+    assert "aten._fft_r2c.default" in message
+    assert f"{THIS_FILE}:{line_of('# fft-line')}" in message
+    assert "register a lowering" in message
+
+
+def test_data_dependent_branch_explains_and_points_to_torch_cond():
+    class Branchy(torch.nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # branch-line
+                return x * 2
+            return x
+
+    with pytest.raises(Error) as info:
+        compile_module(Branchy(), (torch.randn(3),))
+    message = str(info.value)
+    assert f"{THIS_FILE}:{line_of('# branch-line')}" in message
+    assert "torch.cond" in message and re.search(r"branches on the value of a tensor", message)
+
+
+class Gated(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor([2.0, -3.0, 4.0]))
+
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda v: v * self.weight, lambda v: v - self.weight.exp(), (x,))
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_torch_cond_lowers_to_lax_cond_with_gradients(sign):
+    module = Gated()
+    x = torch.tensor([0.5, 1.5, 2.0]) * sign
+    program = compile_module(module, (x,))
+    params, buffers = program.state(module)
+
+    def loss(p, v):
+        return program.fn(p, buffers, (v,), jax.random.key(0))[0][0].sum()
+
+    value, (param_grads, x_grad) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, to_jax(x))
+    x_torch = x.clone().requires_grad_(True)
+    expected = module(x_torch)[0].sum()
+    expected.backward()
+    assert_close(value, expected, 1e-5, 1e-6)
+    assert_close(param_grads["weight"], module.weight.grad, 1e-5, 1e-6)
+    assert_close(x_grad, x_torch.grad, 1e-5, 1e-6)
+    assert "cond" in str(jax.make_jaxpr(loss)(params, to_jax(x)))
