@@ -8,6 +8,7 @@ from ipu_backend.compiler.lowerings import (  # noqa: F401
     elementwise,
     linalg,
     losses,
+    markers,
     normalization,
     random,
     reductions,

@@ -1,0 +1,50 @@
+"""PopTorch's marker ops as torch custom ops, so that torch.export keeps them in the graph."""
+
+import torch
+
+from ipu_backend.errors import Error
+
+REDUCTIONS = ("sum", "mean", "none")
+
+
+def _reduce(x: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "sum":
+        return x.sum()
+    if reduction == "mean":
+        return x.mean()
+    return x.clone()
+
+
+@torch.library.custom_op("ipu_backend::identity_loss", mutates_args=())
+def _identity_loss(x: torch.Tensor, reduction: str) -> torch.Tensor:
+    return _reduce(x, reduction)
+
+
+@_identity_loss.register_fake
+def _(x, reduction):
+    return x.new_empty(x.shape if reduction == "none" else ())
+
+
+def _identity_loss_backward(ctx, grad):
+    if ctx.reduction == "sum":
+        return grad.expand(ctx.shape), None
+    if ctx.reduction == "mean":
+        return (grad / max(1, torch.Size(ctx.shape).numel())).expand(ctx.shape), None
+    return grad, None
+
+
+def _identity_loss_setup(ctx, inputs, output):
+    ctx.shape, ctx.reduction = inputs[0].shape, inputs[1]
+
+
+_identity_loss.register_autograd(_identity_loss_backward, setup_context=_identity_loss_setup)
+
+
+def identity_loss(x: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Mark ``x`` (reduced by ``"sum"``, ``"mean"`` or ``"none"``) as the loss to minimise, as PopTorch."""
+    if reduction not in REDUCTIONS:
+        raise Error(f"identity_loss: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    return _identity_loss(x, reduction)
+
+
+IDENTITY_LOSS = torch.ops.ipu_backend.identity_loss.default

@@ -1,0 +1,32 @@
+"""PopTorch's marker ops against their eager definition."""
+
+import pytest
+import torch
+
+from ipu_backend import Error
+from ipu_backend.compiler.custom_ops import IDENTITY_LOSS, identity_loss
+from tests.compiler.harness import OpCase, case_params, check_case
+
+CASES = [
+    OpCase(f"identity_loss_{reduction}", lambda x, r=reduction: identity_loss(x * 2.0, r),
+           lambda dtype: (torch.randn(3, 4, dtype=dtype),), (torch.float32, torch.float16), ops=(IDENTITY_LOSS,))
+    for reduction in ("sum", "mean", "none")
+]
+
+
+@pytest.mark.parametrize("case,dtype", case_params(CASES))
+def test_markers(case, dtype):
+    check_case(case, dtype)
+
+
+def test_identity_loss_eager_reduction_and_gradient():
+    x = torch.randn(3, 4, requires_grad=True)
+    loss = identity_loss(x, "mean")
+    loss.backward()
+    torch.testing.assert_close(loss, x.mean())
+    torch.testing.assert_close(x.grad, torch.full_like(x, 1 / 12))
+
+
+def test_identity_loss_rejects_unknown_reduction():
+    with pytest.raises(Error, match="reduction must be one of"):
+        identity_loss(torch.ones(2), "max")
