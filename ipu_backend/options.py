@@ -1,0 +1,1005 @@
+"""PopTorch's ``Options``: how a model is compiled and run on emulated IPUs.
+
+Three equivalent ways to build one:
+
+* PopTorch's methods, chained: ``Options().deviceIterations(4).replicationFactor(2)``;
+* typed keywords, which jsonargparse and the Lightning CLI build from YAML ``init_args``:
+  ``Options(device_iterations=4, replication_factor=2)``;
+* a dict: ``Options.from_dict({"device_iterations": 4})``, the inverse of :meth:`Options.toDict`.
+
+Every PopTorch setting is one of three kinds:
+
+* **emulated**: read back as an attribute (``opts.device_iterations``,
+  ``opts.Training.gradient_accumulation``) and honoured by the runtime;
+* **inert**: about hardware, compilation, memory placement or logging, with no meaning on emulated
+  IPUs (``useIpuModel``, ``logDir``, ``_Popart.set``, ...). Accepted so that PopTorch scripts run
+  unchanged, checked as PopTorch checks them, recorded (``opts.toDict()["recorded"]``, and read
+  back by PopTorch's attribute name, e.g. ``opts.log_dir``), and otherwise without effect;
+* **not emulated**: settings that would change the numbers a program computes (synthetic data,
+  input replica grouping, several host processes) raise :class:`ipu_backend.Error` naming the
+  option, rather than being silently ignored.
+
+Options are frozen once a model or a :class:`ipu_backend.DataLoader` uses them: any setter then
+raises :class:`FrozenOptionsError` with PopTorch's message. :meth:`Options.clone` (like
+``copy.deepcopy``) gives an unfrozen copy.
+"""
+
+import copy
+import enum
+import inspect
+import json
+import os
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import Any, Self, TypeVar
+
+import torch
+
+import ipu_backend
+from ipu_backend import enums
+from ipu_backend.enums import (
+    CommGroupType,
+    ConnectionType,
+    MeanReductionStrategy,
+    OutputMode,
+    ReductionType,
+    SyncPattern,
+)
+from ipu_backend.errors import Error
+
+
+class FrozenOptionsError(Error, AttributeError):
+    """A setter called on options that a model or a DataLoader already uses.
+
+    Also an ``AttributeError``, the type PopTorch raises here.
+    """
+
+
+class InvalidArgument(Error, ValueError):
+    """An option or argument whose value is out of range (also a ``ValueError``, as in PopTorch)."""
+
+
+class WrongArgumentType(Error, TypeError):
+    """An option or argument of the wrong type (also a ``TypeError``)."""
+
+
+class ConfigFileError(Error):
+    """A line of a file given to :meth:`Options.loadFromFile` that is not valid Python."""
+
+
+_Member = TypeVar("_Member", bound=enum.Enum)
+
+
+def _int_at_least(value: Any, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WrongArgumentType(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise InvalidArgument(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise WrongArgumentType(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _str(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise WrongArgumentType(f"{name} must be a str, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _path_or_none(value: Any, name: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise WrongArgumentType(f"{name} must be a path (str) or None, got {value!r}")
+    return os.fspath(value)
+
+
+def parse_member(enum_type: type[_Member], value: Any, name: str,
+                 allowed: Iterable[_Member] | None = None) -> _Member:
+    """``value`` as a member of ``enum_type``: the member itself, or its name in any case.
+
+    ``allowed`` narrows the accepted members; the error lists exactly those.
+    """
+    allowed = tuple(enum_type if allowed is None else allowed)
+    if isinstance(value, enum_type):
+        member = value
+    elif isinstance(value, str):
+        member = {m.name.lower(): m for m in enum_type}.get(value.lower())
+    else:
+        member = None
+    if member in allowed:
+        return member
+    names = ", ".join(m.name for m in allowed)
+    raise InvalidArgument(
+        f"{name} must be one of {names} (poptorch.{enum_type.__name__} members, or their names "
+        f"in any case), got {value!r}")
+
+
+_PARTIALS_TYPES = {"float": torch.float32, "half": torch.float16}
+
+
+def _partials_type(value: Any) -> torch.dtype:
+    if isinstance(value, torch.dtype) and value in _PARTIALS_TYPES.values():
+        return value
+    if isinstance(value, str) and value.lower() in _PARTIALS_TYPES:
+        return _PARTIALS_TYPES[value.lower()]
+    raise InvalidArgument(
+        "partials_type must be torch.float or torch.half (or 'float' / 'half'), "
+        f"got {value!r}")
+
+
+def _plain(value: Any) -> Any:
+    """A setting as ``toDict`` reports it: enums by member name, dtypes by partials type name."""
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, torch.dtype):
+        return next(name for name, dtype in _PARTIALS_TYPES.items() if dtype == value)
+    return value
+
+
+class _SharedState:
+    """What an Options object shares with its option groups: the frozen flag and the record of
+    inert settings (those whose value differs from PopTorch's default)."""
+
+    __slots__ = ("frozen", "recorded")
+
+    def __init__(self, recorded: dict[str, Any] | None = None) -> None:
+        self.frozen = False
+        self.recorded = {} if recorded is None else recorded
+
+    def __deepcopy__(self, memo: dict) -> "_SharedState":
+        """Copies are unfrozen, as PopTorch's (``clone`` and ``copy.deepcopy`` alike)."""
+        return _SharedState(copy.deepcopy(self.recorded, memo))
+
+
+def _unless_frozen(setter):
+    """Make ``setter`` raise PopTorch's error once its options are frozen."""
+
+    def checked_setter(self, *args, **kwargs):
+        if self._shared.frozen:
+            raise FrozenOptionsError("Can't modify frozen Options")
+        return setter(self, *args, **kwargs)
+
+    checked_setter.__name__ = setter.__name__
+    checked_setter.__qualname__ = setter.__qualname__
+    checked_setter.__doc__ = setter.__doc__
+    checked_setter.__wrapped__ = setter
+    return checked_setter
+
+
+def _emulated(key: str, doc: str) -> property:
+    return property(lambda self: self._values[key], doc=doc)
+
+
+class _OptionGroup:
+    """One category of options (``opts.Training``, ``opts.Precision``, ...).
+
+    ``_values`` holds its emulated settings under their ``Options`` keyword names; ``_INERT``
+    names its inert settings and PopTorch's defaults for them, which read back as attributes.
+    """
+
+    __slots__ = ("_shared", "_values")
+    _INERT: dict[str, Any] = {}
+
+    def __init__(self, shared: _SharedState, **values: Any) -> None:
+        self._shared = shared
+        self._values = values
+
+    def _record(self, name: str, value: Any) -> None:
+        if value == self._INERT[name]:
+            self._shared.recorded.pop(name, None)
+        else:
+            self._shared.recorded[name] = value
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("_") and name in type(self)._INERT:
+            return copy.deepcopy(self._shared.recorded.get(name, self._INERT[name]))
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+class _TrainingOptions(_OptionGroup):
+    """Training options: ``opts.Training``."""
+
+    __slots__ = ()
+    _INERT = {"convolution_dithering": None}
+
+    gradient_accumulation = _emulated(
+        "gradient_accumulation",
+        "Micro-batches whose gradients are accumulated before each optimizer step.")
+    accumulation_and_replication_reduction_type = _emulated(
+        "reduction_type",
+        "How gradients are combined across accumulated micro-batches and replicas: "
+        "ReductionType.Mean or ReductionType.Sum.")
+    mean_reduction_strategy = _emulated(
+        "mean_reduction_strategy",
+        "When the mean reduction divides by the count (a MeanReductionStrategy).")
+    auto_loss_scaling = _emulated("auto_loss_scaling", "Whether automatic loss scaling is on.")
+
+    @_unless_frozen
+    def gradientAccumulation(self, gradient_accumulation: int) -> Self:
+        """Accumulate the gradients of this many micro-batches before each optimizer step."""
+        self._values["gradient_accumulation"] = _int_at_least(
+            gradient_accumulation, "gradient_accumulation", 1)
+        return self
+
+    @_unless_frozen
+    def accumulationAndReplicationReductionType(self, reduction_type: ReductionType) -> Self:
+        """Average (``Mean``, the default) or sum (``Sum``) gradients over micro-batches and
+        replicas."""
+        self._values["reduction_type"] = parse_member(
+            ReductionType, reduction_type, "reduction_type",
+            (ReductionType.Sum, ReductionType.Mean))
+        return self
+
+    @_unless_frozen
+    def setMeanAccumulationAndReplicationReductionStrategy(
+            self, mean_reduction_strategy: MeanReductionStrategy) -> Self:
+        """When a ``Mean`` reduction divides by the count (``Post`` by default)."""
+        self._values["mean_reduction_strategy"] = parse_member(
+            MeanReductionStrategy, mean_reduction_strategy, "mean_reduction_strategy")
+        return self
+
+    @_unless_frozen
+    def setAutomaticLossScaling(self, enabled: bool) -> Self:
+        """Turn automatic loss scaling on or off."""
+        self._values["auto_loss_scaling"] = _bool(enabled, "auto_loss_scaling")
+        return self
+
+    @_unless_frozen
+    def setConvolutionDithering(self, enabled: bool) -> Self:
+        """Inert: convolution tile layout does not exist on emulated IPUs."""
+        self._record("convolution_dithering", _bool(enabled, "convolution_dithering"))
+        return self
+
+
+class _PrecisionOptions(_OptionGroup):
+    """Numerical precision options: ``opts.Precision``."""
+
+    __slots__ = ()
+    _INERT = {"floating_point_exceptions": False}
+
+    stochastic_rounding = _emulated(
+        "stochastic_rounding", "Whether rounding to float16 is stochastic.")
+    partials_type = _emulated(
+        "partials_type",
+        "dtype of matmul and convolution partial results: torch.float (default) or torch.half.")
+
+    @_unless_frozen
+    def halfFloatCasting(self, half_float_casting: enums.HalfFloatCastingBehavior) -> Self:
+        """Inert, as in PopTorch: float16 is always up-cast to float32 as in torch."""
+        parse_member(enums.HalfFloatCastingBehavior, half_float_casting, "half_float_casting")
+        return self
+
+    @_unless_frozen
+    def runningStatisticsAlwaysFloat(self, value: bool) -> Self:
+        """Inert, as in PopTorch: running statistics keep the dtype torch gives them."""
+        _bool(value, "runningStatisticsAlwaysFloat")
+        return self
+
+    @_unless_frozen
+    def enableFloatingPointExceptions(self, enabled: bool) -> Self:
+        """Inert: emulated IPUs do not trap on floating point exceptions; NaN and inf propagate
+        as in torch."""
+        self._record("floating_point_exceptions", _bool(enabled, "floating_point_exceptions"))
+        return self
+
+    @_unless_frozen
+    def enableStochasticRounding(self, enabled: bool) -> Self:
+        """Round to float16 stochastically (on) or to nearest (off, the default)."""
+        self._values["stochastic_rounding"] = _bool(enabled, "stochastic_rounding")
+        return self
+
+    @_unless_frozen
+    def setPartialsType(self, dtype: torch.dtype) -> Self:
+        """Keep matmul and convolution partial results in ``torch.float`` or ``torch.half``."""
+        self._values["partials_type"] = _partials_type(dtype)
+        return self
+
+
+class TensorLocationSettings:
+    """Where one class of tensors is stored, as PopTorch's settings object of the same name.
+
+    Only ``useOnChipStorage`` is read back by the emulation (for memory accounting); the other
+    settings are inert and recorded.
+    """
+
+    __slots__ = ("_settings",)
+
+    def __init__(self) -> None:
+        self._settings: dict[str, int] = {}
+
+    def _set(self, key: str, value: int) -> Self:
+        self._settings[key] = value
+        return self
+
+    def minElementsForOffChip(self, min_elements: int) -> Self:
+        """Inert: tensors smaller than this are never moved off chip."""
+        return self._set("minElementsForOffChip",
+                         _int_at_least(min_elements, "min_elements", 0))
+
+    def minElementsForReplicatedTensorSharding(self, min_elements: int) -> Self:
+        """Inert: tensors smaller than this are never sharded across replicas."""
+        return self._set("minElementsForReplicatedTensorSharding",
+                         _int_at_least(min_elements, "min_elements", 0))
+
+    def useOnChipStorage(self, use: bool | None = True) -> Self:
+        """Store on chip (True) or off chip (False); None leaves the default (on chip)."""
+        if use is None:
+            self._settings.pop("onChip", None)
+            return self
+        return self._set("onChip", int(_bool(use, "use")))
+
+    def useReplicatedTensorSharding(self, use: bool = True) -> Self:
+        """Inert: shard weights and optimizer state across replicas."""
+        return self._set("useReplicatedTensorSharding", int(_bool(use, "use")))
+
+    def useIOTilesToLoad(self, use: bool = True) -> Self:
+        """Inert: load through IO tiles."""
+        return self._set("useIOTilesToLoad", int(_bool(use, "use")))
+
+    def useIOTilesToStore(self, use: bool = True) -> Self:
+        """Inert: store through IO tiles."""
+        return self._set("useIOTilesToStore", int(_bool(use, "use")))
+
+    def toDict(self) -> dict[str, int]:
+        """The settings made so far, by PopTorch's names (booleans as 0 or 1)."""
+        return dict(self._settings)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorLocationSettings):
+            return NotImplemented
+        return self._settings == other._settings
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"TensorLocationSettings({self._settings})"
+
+
+_LOCATION_KINDS = {  # PopTorch's tensor class -> the emulated on-chip flag for it
+    "activation": "activations_on_chip",
+    "weight": "weights_on_chip",
+    "optimizer": "optimizer_on_chip",
+    "accumulator": "accumulators_on_chip",
+}
+
+
+class _TensorLocationOptions(_OptionGroup):
+    """Where tensors are stored: ``opts.TensorLocations``."""
+
+    __slots__ = ()
+    _INERT = {"num_io_tiles": None} | {f"{kind}_location": {} for kind in _LOCATION_KINDS}
+
+    activations_on_chip = _emulated("activations_on_chip", "Whether activations stay on chip.")
+    weights_on_chip = _emulated("weights_on_chip", "Whether weights stay on chip.")
+    optimizer_on_chip = _emulated(
+        "optimizer_on_chip", "Whether optimizer state stays on chip.")
+    accumulators_on_chip = _emulated(
+        "accumulators_on_chip", "Whether gradient accumulators stay on chip.")
+
+    @_unless_frozen
+    def numIOTiles(self, num_tiles: int) -> Self:
+        """Inert: tiles reserved for IO."""
+        _int_at_least(num_tiles, "num_tiles", 0)
+        if not (32 <= num_tiles <= 192 and num_tiles % 2 == 0):
+            raise InvalidArgument("numIOTiles must be an even number between 32 and 192.")
+        self._record("num_io_tiles", num_tiles)
+        return self
+
+    def _set_location(self, kind: str, location: TensorLocationSettings) -> Self:
+        if not isinstance(location, TensorLocationSettings):
+            raise WrongArgumentType(
+                f"the {kind} location must be a poptorch.TensorLocationSettings, got {location!r}")
+        settings = location.toDict()
+        self._values[_LOCATION_KINDS[kind]] = bool(settings.pop("onChip", 1))
+        self._record(f"{kind}_location", settings)
+        return self
+
+    @_unless_frozen
+    def setActivationLocation(self, location: TensorLocationSettings) -> Self:
+        """Where activations are stored (replaces earlier activation settings)."""
+        return self._set_location("activation", location)
+
+    @_unless_frozen
+    def setWeightLocation(self, location: TensorLocationSettings) -> Self:
+        """Where weights are stored (replaces earlier weight settings)."""
+        return self._set_location("weight", location)
+
+    @_unless_frozen
+    def setOptimizerLocation(self, location: TensorLocationSettings) -> Self:
+        """Where optimizer state is stored (replaces earlier optimizer settings)."""
+        return self._set_location("optimizer", location)
+
+    @_unless_frozen
+    def setAccumulatorLocation(self, location: TensorLocationSettings) -> Self:
+        """Where gradient accumulators are stored (replaces earlier accumulator settings)."""
+        return self._set_location("accumulator", location)
+
+
+class _DistributedOptions(_OptionGroup):
+    """Multi-process (PopRun / PopDist) options: ``opts.Distributed``.
+
+    Emulation runs in one process: one process is accepted, several raise an error.
+    """
+
+    __slots__ = ()
+
+    @property
+    def processId(self) -> int:
+        """Index of this process: always 0."""
+        return 0
+
+    @property
+    def numProcesses(self) -> int:
+        """Number of processes: always 1."""
+        return 1
+
+    distributed_process_id = processId
+    num_distributed_processes = numProcesses
+
+    @_unless_frozen
+    def disable(self) -> Self:
+        """Run as a single process (always the case here)."""
+        return self
+
+    @_unless_frozen
+    def setEnvVarNames(self, var_num_processes: str, var_process_id: str) -> Self:
+        """Read the process id and count from these environment variables (as PopTorch)."""
+        return self.configureProcessId(int(os.environ.get(_str(var_process_id, "var_process_id"), "0")),
+                                       int(os.environ.get(_str(var_num_processes, "var_num_processes"), "1")))
+
+    @_unless_frozen
+    def configureProcessId(self, process_id: int, num_processes: int) -> Self:
+        """Set this process's index and the number of processes; only one process is emulated."""
+        _int_at_least(num_processes, "num_processes", 1)
+        _int_at_least(process_id, "process_id", 0)
+        if num_processes > 1:
+            raise Error(
+                f"Options.Distributed.configureProcessId(process_id={process_id}, "
+                f"num_processes={num_processes}): several host processes are not emulated (each "
+                "would train on its own share of the data). Use one process with "
+                "Options.replicationFactor(n) instead.")
+        if process_id != 0:
+            raise InvalidArgument(
+                f"process_id must be below num_processes ({num_processes}), got {process_id}")
+        return self
+
+
+class _JitOptions(_OptionGroup):
+    """PopTorch's JIT options: ``opts.Jit`` (models are always captured with torch.export)."""
+
+    __slots__ = ()
+
+    @_unless_frozen
+    def traceModel(self, trace_model: bool) -> Self:
+        """Inert with False; True is refused, as in PopTorch."""
+        if _bool(trace_model, "trace_model"):
+            raise InvalidArgument("options.Jit.traceModel(True) is no longer supported")
+        return self
+
+
+class _PopartOptions(_OptionGroup):
+    """PopART session options: ``opts._Popart``. Inert: recorded, never applied."""
+
+    __slots__ = ()
+    _INERT = {"popart_options": {}}
+
+    @property
+    def options(self) -> Mapping[str, Any]:
+        """The PopART options set so far (read-only)."""
+        return MappingProxyType(self.popart_options)
+
+    @_unless_frozen
+    def set(self, key: str, value: Any) -> Self:
+        """Record PopART option ``key``."""
+        self._record("popart_options", {**self.popart_options, _str(key, "key"): value})
+        return self
+
+    @_unless_frozen
+    def setEngineOptions(self, engine_options: Mapping[str, str]) -> Self:
+        """Record Poplar engine options."""
+        return self.set("engineOptions", dict(engine_options))
+
+    @_unless_frozen
+    def setPatterns(self, patterns: Mapping[str, bool], level: int = 2) -> Self:
+        """Record PopART pattern overrides."""
+        _int_at_least(level, "level", 0)
+        return self.set("patterns_level", level).set("patterns", dict(patterns))
+
+
+_DEFAULT_SOURCE_LOCATION_EXCLUDES = ["install/poptorch", "site-packages/torch",
+                                     "site-packages/poptorch"]
+
+
+class Options(_OptionGroup):
+    """How a model is compiled and run, as PopTorch's ``poptorch.Options`` (see the module
+    docstring). The keyword arguments set the emulated options; strings are enum member names in
+    any case (``output_mode="everyN"``); ``partials_type`` is ``"float"`` or ``"half"``.
+    """
+
+    __slots__ = ("_training", "_precision", "_tensor_locations", "_distributed", "_jit",
+                 "_popart")
+    _INERT = {
+        "log_dir": ".",
+        "max_repeat_logs": 4,
+        "model_name": None,
+        "use_model": False,
+        "connection_type": ConnectionType.Always.name,
+        "sync_pattern": SyncPattern.Full.name,
+        "ipu_id": None,
+        "ipu_version": None,
+        "anchored_tensors": {},
+        "available_memory_proportion": {},
+        "enable_stable_norm": False,
+        "log_cycle_count": False,
+        "module_namescope": True,
+        "updatable_named_buffers": [],
+        "source_location_excludes": _DEFAULT_SOURCE_LOCATION_EXCLUDES,
+        "show_compilation_progress_bar": True,
+        "relax_optimizer_attributes_checks": False,
+    }
+
+    def __init__(
+            self,
+            *,
+            device_iterations: int = 1,
+            replication_factor: int = 1,
+            gradient_accumulation: int = 1,
+            reduction_type: str | ReductionType = "mean",
+            mean_reduction_strategy: str | MeanReductionStrategy = "post",
+            output_mode: str | OutputMode = "default",
+            output_return_period: int | None = None,
+            random_seed: int | None = None,
+            auto_loss_scaling: bool = False,
+            stochastic_rounding: bool = False,
+            partials_type: str = "float",
+            optimizer_on_chip: bool = True,
+            weights_on_chip: bool = True,
+            activations_on_chip: bool = True,
+            accumulators_on_chip: bool = True,
+            executable_cache_dir: str | None = None,
+            auto_round_num_ipus: bool = False,
+            broadcast_buffers: bool = True,
+            profiling_dir: str | None = None,
+    ) -> None:
+        shared = _SharedState()
+        super().__init__(shared, execution_strategy=None, random_seed=None, profiling_dir=None)
+        self._training = _TrainingOptions(shared)
+        self._precision = _PrecisionOptions(shared)
+        self._tensor_locations = _TensorLocationOptions(shared)
+        self._distributed = _DistributedOptions(shared)
+        self._jit = _JitOptions(shared)
+        self._popart = _PopartOptions(shared)
+
+        self.deviceIterations(device_iterations)
+        self.replicationFactor(replication_factor)
+        self.Training.gradientAccumulation(gradient_accumulation)
+        self.Training.accumulationAndReplicationReductionType(reduction_type)
+        self.Training.setMeanAccumulationAndReplicationReductionStrategy(mean_reduction_strategy)
+        self.Training.setAutomaticLossScaling(auto_loss_scaling)
+        self.outputMode(parse_member(OutputMode, output_mode, "output_mode"),
+                        output_return_period)
+        if random_seed is not None:
+            self.randomSeed(random_seed)
+        self.Precision.enableStochasticRounding(stochastic_rounding)
+        self.Precision.setPartialsType(partials_type)
+        on_chip = {"optimizer": optimizer_on_chip, "weight": weights_on_chip,
+                   "activation": activations_on_chip, "accumulator": accumulators_on_chip}
+        for kind, use in on_chip.items():
+            self.TensorLocations._set_location(
+                kind, TensorLocationSettings().useOnChipStorage(_bool(use, _LOCATION_KINDS[kind])))
+        self.enableExecutableCaching(executable_cache_dir)
+        self.autoRoundNumIPUs(auto_round_num_ipus)
+        self.broadcastBuffers(broadcast_buffers)
+        if profiling_dir is not None:
+            self.enableProfiling(profiling_dir)
+
+    # Option groups, as PopTorch's properties.
+
+    @property
+    def Training(self) -> _TrainingOptions:
+        """Training options (gradient accumulation, reduction, loss scaling)."""
+        return self._training
+
+    @property
+    def Precision(self) -> _PrecisionOptions:
+        """Numerical precision options (stochastic rounding, partials type)."""
+        return self._precision
+
+    @property
+    def TensorLocations(self) -> _TensorLocationOptions:
+        """Where tensors are stored."""
+        return self._tensor_locations
+
+    @property
+    def Distributed(self) -> _DistributedOptions:
+        """Multi-process options (a single process is emulated)."""
+        return self._distributed
+
+    @property
+    def Jit(self) -> _JitOptions:
+        """PopTorch's JIT options (inert)."""
+        return self._jit
+
+    @property
+    def _Popart(self) -> _PopartOptions:
+        """PopART session options (inert)."""
+        return self._popart
+
+    # Emulated settings, read back as in PopTorch.
+
+    device_iterations = _emulated(
+        "device_iterations", "Batches each replica processes per call of the model.")
+    replication_factor = _emulated("replication_factor", "Number of model replicas.")
+    output_mode = _emulated("output_mode", "Which results a run returns (an OutputMode).")
+    output_return_period = _emulated(
+        "output_return_period", "N of OutputMode.EveryN; None for the other modes.")
+    random_seed = _emulated("random_seed", "Seed of the device's random numbers, or None.")
+    execution_strategy = _emulated(
+        "execution_strategy",
+        "How the model is split over IPUs, or None for the default (pipelined by block).")
+    executable_cache_dir = _emulated(
+        "executable_cache_dir", "Directory caching compiled programs, or None.")
+    auto_round_num_ipus = _emulated(
+        "auto_round_num_ipus", "Whether the number of IPUs is rounded up to a power of 2.")
+    broadcast_buffers = _emulated(
+        "broadcast_buffers", "Whether buffers are broadcast from replica 0 to all replicas.")
+    profiling_dir = _emulated(
+        "profiling_dir", "Directory receiving profiling reports, or None when profiling is off.")
+
+    # PopTorch's setters for emulated settings.
+
+    @_unless_frozen
+    def deviceIterations(self, device_iterations: int) -> Self:
+        """Run this many batches per replica in each call of the model (default 1)."""
+        self._values["device_iterations"] = _int_at_least(
+            device_iterations, "device_iterations", 1)
+        return self
+
+    @_unless_frozen
+    def replicationFactor(self, replication_factor: int) -> Self:
+        """Replicate the model this many times, each replica on its own IPUs (default 1)."""
+        self._values["replication_factor"] = _int_at_least(
+            replication_factor, "replication_factor", 1)
+        return self
+
+    @_unless_frozen
+    def outputMode(self, output_mode: OutputMode,
+                   output_return_period: int | None = None) -> Self:
+        """Which results a run returns; ``OutputMode.EveryN`` needs ``output_return_period``
+        (ignored by the other modes, as in PopTorch)."""
+        mode = parse_member(OutputMode, output_mode, "output_mode")
+        if mode is OutputMode.EveryN:
+            if (isinstance(output_return_period, bool) or not isinstance(output_return_period, int)
+                    or output_return_period <= 0):
+                raise InvalidArgument("EveryN anchor must have output_return_period set to valid "
+                                      f"positive integer, got {output_return_period!r}")
+        else:
+            output_return_period = None
+        self._values["output_mode"] = mode
+        self._values["output_return_period"] = output_return_period
+        return self
+
+    def defaultOutputMode(self) -> bool:
+        """Whether the output mode is still ``OutputMode.Default``."""
+        return self.output_mode is OutputMode.Default
+
+    @_unless_frozen
+    def randomSeed(self, random_seed: int) -> Self:
+        """Seed the device's random numbers; as in PopTorch, also seeds torch
+        (``torch.manual_seed``). Shuffling DataLoaders built with these options follow it too."""
+        _int_at_least(random_seed, "random_seed", 0)
+        if random_seed >= 2**64:
+            raise InvalidArgument(f"random_seed must be below 2**64, got {random_seed}")
+        torch.manual_seed(random_seed)
+        self._values["random_seed"] = random_seed
+        return self
+
+    @_unless_frozen
+    def setExecutionStrategy(self, strategy: Any) -> Self:
+        """How the model's blocks are spread over IPUs (e.g. ``PipelinedExecution``)."""
+        self._values["execution_strategy"] = strategy
+        return self
+
+    @_unless_frozen
+    def enableExecutableCaching(self, path: str | None) -> Self:
+        """Cache compiled programs in directory ``path``; None turns caching off."""
+        self._values["executable_cache_dir"] = _path_or_none(path, "path")
+        return self
+
+    @_unless_frozen
+    def autoRoundNumIPUs(self, auto_round_num_ipus: bool = True) -> Self:
+        """Round the number of IPUs up to a power of 2 instead of raising an error."""
+        self._values["auto_round_num_ipus"] = _bool(auto_round_num_ipus, "auto_round_num_ipus")
+        return self
+
+    @_unless_frozen
+    def broadcastBuffers(self, broadcast_buffers: bool = True) -> Self:
+        """Broadcast buffers (e.g. batch norm statistics) from replica 0 to all replicas."""
+        self._values["broadcast_buffers"] = _bool(broadcast_buffers, "broadcast_buffers")
+        return self
+
+    @_unless_frozen
+    def enableProfiling(self, profile_dir: str | None = None) -> Self:
+        """Write profiling reports to ``profile_dir`` (default: the current directory)."""
+        self._values["profiling_dir"] = _path_or_none(profile_dir, "profile_dir") or "."
+        return self
+
+    # PopTorch settings that would change the numbers and are not emulated.
+
+    @_unless_frozen
+    def enableSyntheticData(self, enabled: bool) -> Self:
+        """Only False is accepted: synthetic data (random inputs made on the device in place of
+        the host's) is not emulated."""
+        if _bool(enabled, "enabled"):
+            raise Error("Options.enableSyntheticData(True) is not emulated: it replaces the "
+                        "host's data with random data, which changes every result. Remove it.")
+        return self
+
+    @_unless_frozen
+    def inputReplicaGrouping(self, input_group_size: int,
+                             input_group_type: CommGroupType) -> Self:
+        """Only groups of one replica are emulated (each replica gets its own data)."""
+        group_type = parse_member(CommGroupType, input_group_type, "input_group_type")
+        if group_type is CommGroupType.NoGrouping:
+            input_group_size = 1
+        elif group_type is CommGroupType.All:
+            raise InvalidArgument("input_group_type cannot be All")
+        _int_at_least(input_group_size, "input_group_size", 1)
+        if input_group_size > self.replication_factor:
+            raise InvalidArgument("input_group_size cannot be larger than replication_factor")
+        if self.replication_factor % input_group_size:
+            raise InvalidArgument("input_group_size must be a factor of replication_factor")
+        if input_group_size > 1:
+            raise Error(f"Options.inputReplicaGrouping({input_group_size}, {group_type.name}) is "
+                        "not emulated: replicas sharing input data would see different batches "
+                        "here. Remove it, or use input_group_size=1.")
+        return self
+
+    # Inert PopTorch settings: checked, recorded, no effect on emulated IPUs.
+
+    @_unless_frozen
+    def useIpuModel(self, use_model: bool) -> Self:
+        """Inert: every IPU here is emulated."""
+        self._record("use_model", _bool(use_model, "use_model"))
+        return self
+
+    @_unless_frozen
+    def connectionType(self, connection_type: ConnectionType) -> Self:
+        """Inert: emulated IPUs need no attaching."""
+        self._record("connection_type",
+                     parse_member(ConnectionType, connection_type, "connection_type").name)
+        return self
+
+    @_unless_frozen
+    def syncPattern(self, sync_pattern: SyncPattern) -> Self:
+        """Inert: emulated IPUs synchronise by data dependencies only."""
+        self._record("sync_pattern", parse_member(SyncPattern, sync_pattern, "sync_pattern").name)
+        return self
+
+    @_unless_frozen
+    def useIpuId(self, ipu_id: int) -> Self:
+        """Inert: emulated IPUs have no hardware ids."""
+        self._record("ipu_id", _int_at_least(ipu_id, "ipu_id", 0))
+        return self
+
+    @_unless_frozen
+    def useOfflineIpuTarget(self, ipu_version: int = 2) -> Self:
+        """Inert: programs are always compiled for, and run on, emulated IPUs."""
+        self._record("ipu_version", _int_at_least(ipu_version, "ipu_version", 1))
+        return self.connectionType(ConnectionType.Never)
+
+    @_unless_frozen
+    def anchorTensor(self, short_name: str, long_name: str,
+                     output_mode: OutputMode | None = None,
+                     output_return_period: int | None = 1) -> Self:
+        """Inert: PopART tensor names do not exist here."""
+        mode = None if output_mode is None else parse_member(OutputMode, output_mode,
+                                                             "output_mode")
+        period = output_return_period if mode is OutputMode.EveryN else 1
+        anchors = {**self.anchored_tensors,
+                   _str(short_name, "short_name"): [_str(long_name, "long_name"),
+                                                    None if mode is None else mode.name, period]}
+        self._record("anchored_tensors", anchors)
+        return self
+
+    @_unless_frozen
+    def setAvailableMemoryProportion(self, available_memory_proportion: Mapping[str, float]
+                                     ) -> Self:
+        """Inert: temporary memory per IPU, as ``{"IPU0": 0.5}``."""
+        proportions = {}
+        for key, proportion in available_memory_proportion.items():
+            if not (isinstance(key, str) and key.startswith("IPU") and key[3:].isdigit()):
+                raise InvalidArgument('Available memory proportions are expected to be in a '
+                                      'dictionary of {"IPU0": 0.5} where the 0 in IPU is the '
+                                      f"index of the IPU. Invalid key: {key}")
+            proportions[int(key[3:])] = proportion
+        self._record("available_memory_proportion", proportions)
+        return self
+
+    @_unless_frozen
+    def logDir(self, log_dir: str) -> Self:
+        """Inert: nothing is logged to files."""
+        self._record("log_dir", _path_or_none(log_dir, "log_dir"))
+        return self
+
+    @_unless_frozen
+    def maxRepeatLogs(self, max_lines: int | None) -> Self:
+        """Inert: repeated log lines are not suppressed."""
+        self._record("max_repeat_logs",
+                     None if max_lines is None else _int_at_least(max_lines, "max_lines", 0))
+        return self
+
+    @_unless_frozen
+    def modelName(self, name: str) -> Self:
+        """Inert: the model's name in PopTorch's reports."""
+        self._record("model_name", _str(name, "name"))
+        return self
+
+    @_unless_frozen
+    def enableStableNorm(self, enabled: bool) -> Self:
+        """Inert: normalisations always compute as torch does."""
+        self._record("enable_stable_norm", _bool(enabled, "enabled"))
+        return self
+
+    @_unless_frozen
+    def logCycleCount(self, log_cycle_count: bool) -> Self:
+        """Inert: emulated IPUs have no cycle counter."""
+        self._record("log_cycle_count", _bool(log_cycle_count, "log_cycle_count"))
+        return self
+
+    @_unless_frozen
+    def disableModuleNamescope(self) -> Self:
+        """Inert: PopART operator names do not exist here."""
+        self._record("module_namescope", False)
+        return self
+
+    @_unless_frozen
+    def updatableNamedBuffers(self, buffers: list[str]) -> Self:
+        """Inert: buffers are always copied to the device whole."""
+        self._record("updatable_named_buffers", [_str(b, "buffer name") for b in buffers])
+        return self
+
+    @_unless_frozen
+    def sourceLocationExcludes(self, excludes: list[str]) -> Self:
+        """Inert: error messages always point at the user's own source line."""
+        self._record("source_location_excludes", [_str(e, "exclude") for e in excludes])
+        return self
+
+    @_unless_frozen
+    def appendToLocationExcludes(self, *excludes: str) -> Self:
+        """Inert: see :meth:`sourceLocationExcludes`."""
+        return self.sourceLocationExcludes(self.source_location_excludes + list(excludes))
+
+    @_unless_frozen
+    def showCompilationProgressBar(self, show: bool = True) -> Self:
+        """Inert: compilation shows no progress bar."""
+        self._record("show_compilation_progress_bar", _bool(show, "show"))
+        return self
+
+    @_unless_frozen
+    def relaxOptimizerAttributesChecks(self, relax: bool = True) -> Self:
+        """Inert: recorded for the optimizer wrappers."""
+        self._record("relax_optimizer_attributes_checks", _bool(relax, "relax"))
+        return self
+
+    # Bulk setting, as in PopTorch.
+
+    @_unless_frozen
+    def from_json(self, string: str) -> Self:
+        """Call the setters named in a JSON object: ``{"Training.gradientAccumulation": 4}``.
+
+        A list value is passed as positional arguments, and a string ``"Enum.Member"`` naming a
+        PopTorch enum member as that member, as in PopTorch.
+        """
+        for path, value in json.loads(string).items():
+            setter = self
+            for name in path.split("."):
+                if not hasattr(setter, name):
+                    raise InvalidArgument(f"Unknown option {path!r} in JSON options")
+                setter = getattr(setter, name)
+            args = value if isinstance(value, list) else [value]
+            setter(*(_enum_from_string(arg) for arg in args))
+        return self
+
+    @_unless_frozen
+    def loadFromFile(self, filepath: str) -> Self:
+        """Run a file of setter calls, one per line, written without the ``options.`` prefix
+        (``deviceIterations(4)``); ``#`` starts a comment and ``poptorch`` names this package.
+
+        As in PopTorch, each line runs as Python: load only files you trust.
+        """
+        with open(filepath) as file:
+            lines = [line.strip() for line in file]
+        source = "\n".join("" if not line or line.startswith("#") else "options." + line
+                           for line in lines)
+        try:
+            code = compile(source, filepath, "exec")
+        except SyntaxError as err:
+            raise ConfigFileError(
+                f"{type(err).__name__} at line {err.lineno} of {os.path.basename(filepath)}: "
+                f"{err.msg}\n> {(err.text or '').strip()}") from None
+        exec(code, {"__builtins__": {}, "poptorch": ipu_backend, "options": self})
+        return self
+
+    # Copies, comparison and serialisation.
+
+    def _freeze(self) -> None:
+        """Refuse every further change: called when a model or DataLoader starts using them."""
+        self._shared.frozen = True
+
+    def clone(self) -> "Options":
+        """An unfrozen deep copy."""
+        return copy.deepcopy(self)
+
+    def _groups(self) -> tuple[_OptionGroup, ...]:
+        return (self, self._training, self._precision, self._tensor_locations)
+
+    def toDict(self) -> dict[str, Any]:
+        """All settings as a plain dict: the constructor's keywords (enums by member name,
+        ``partials_type`` as ``"float"`` / ``"half"``), ``execution_strategy`` and ``recorded``
+        (inert settings that differ from PopTorch's defaults). :meth:`from_dict` inverts it."""
+        values = {k: v for group in self._groups() for k, v in group._values.items()}
+        settings = {key: _plain(values[key]) for key in _KEYWORDS}
+        settings["execution_strategy"] = values["execution_strategy"]
+        settings["recorded"] = copy.deepcopy(self._shared.recorded)
+        return settings
+
+    @classmethod
+    def from_dict(cls, settings: Mapping[str, Any]) -> "Options":
+        """Options from the constructor's keywords, optionally with ``execution_strategy`` and
+        ``recorded`` as :meth:`toDict` gives them."""
+        settings = dict(settings)
+        strategy = settings.pop("execution_strategy", None)
+        recorded = settings.pop("recorded", None) or {}
+        unknown = sorted(set(settings) - set(_KEYWORDS))
+        if unknown:
+            raise InvalidArgument(f"Unknown option(s) {unknown}; the options are "
+                                  f"{', '.join(_KEYWORDS)}, execution_strategy and recorded")
+        unknown = sorted(set(recorded) - set(_ALL_INERT))
+        if unknown:
+            raise InvalidArgument(f"Unknown recorded option(s) {unknown}; they are "
+                                  f"{', '.join(_ALL_INERT)}")
+        options = cls(**settings)
+        options.setExecutionStrategy(strategy)
+        for name, value in recorded.items():
+            if value != _ALL_INERT[name]:
+                options._shared.recorded[name] = copy.deepcopy(value)
+        return options
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self.toDict() == other.toDict()
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        settings = self.toDict()
+        shown = [f"{key}={value!r}" for key, value in settings.items()
+                 if value != _DEFAULTS[key]]
+        return f"{type(self).__name__}({', '.join(shown)})"
+
+
+def _enum_from_string(value: Any) -> Any:
+    """``"OutputMode.All"`` as ``OutputMode.All``; any other value unchanged (PopTorch's JSON
+    convention)."""
+    if not isinstance(value, str) or value.count(".") != 1:
+        return value
+    enum_name, member_name = value.split(".")
+    enum_type = getattr(enums, enum_name, None)
+    if isinstance(enum_type, type) and issubclass(enum_type, enum.Enum):
+        return enum_type.__members__.get(member_name, value)
+    return value
+
+
+_KEYWORDS = tuple(inspect.signature(Options).parameters)
+_ALL_INERT = {name: default
+              for group in (Options, _TrainingOptions, _PrecisionOptions, _TensorLocationOptions,
+                            _PopartOptions)
+              for name, default in group._INERT.items()}
+_DEFAULTS = Options().toDict()
