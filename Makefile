@@ -23,3 +23,4 @@ test: setup
 
 bench: setup
 	$(PY) bench/compiler_throughput.py
+	$(PY) bench/device_iterations.py

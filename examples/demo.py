@@ -1,63 +1,50 @@
-"""Demo: the seed CNN trained on the handwritten digits through the torch→JAX compiler.
+"""Demo: the seed CNN trained on emulated IPUs — 4 replicas, gradient accumulation and device
+iterations — on scikit-learn's handwritten digits, written as a PopTorch program.
 
-Prints the loss as it trains, throughput and test accuracy.
+Prints the loss per epoch, throughput and test accuracy.
 """
 
 import time
 
-import jax
-import jax.numpy as jnp
-import optax
 import torch
 
+import ipu_backend as poptorch
 from digits import digits_tensors
 from seed_cnn import SeedCNNWithLoss
-from ipu_backend.compiler import compile_module, to_jax
 
-BATCH = 40
-EPOCHS = 3
+MICRO_BATCH = 8
+EPOCHS = 6
 
 
 def main():
     torch.manual_seed(0)
     (train_x, train_y), (test_x, test_y) = digits_tensors()
     model = SeedCNNWithLoss()
+
+    opts = poptorch.Options().deviceIterations(4).replicationFactor(4).randomSeed(0)
+    opts.Training.gradientAccumulation(2)
+    loader = poptorch.DataLoader(opts, torch.utils.data.TensorDataset(train_x, train_y),
+                                 batch_size=MICRO_BATCH, shuffle=True)
+    optimizer = poptorch.optim.AdamW(model.parameters(), lr=2e-3)
+    training = poptorch.trainingModel(model, opts, optimizer)
+    print(f"{opts.replication_factor} replicas × {opts.Training.gradient_accumulation} accumulated "
+          f"micro-batches of {MICRO_BATCH} × {opts.device_iterations} device iterations = "
+          f"{loader.combinedBatchSize} images per call")
+
     start = time.perf_counter()
-    program = compile_module(model, (train_x[:BATCH], train_y[:BATCH]))
-    params, buffers = program.state(model)
-    optimizer = optax.adamw(1e-3, weight_decay=0.01)
-    opt_state = optimizer.init(params)
-
-    def loss_of(p, x, y, key):
-        (_, loss), _ = program.fn(p, buffers, (x, y), key)
-        return loss
-
-    @jax.jit
-    def train_step(p, state, x, y, key):
-        loss, grads = jax.value_and_grad(loss_of)(p, x, y, key)
-        updates, state = optimizer.update(grads, state, p)
-        return optax.apply_updates(p, updates), state, loss
-
-    key = jax.random.key(0)
-    x0, y0 = to_jax(train_x[:BATCH]), to_jax(train_y[:BATCH])
-    jax.block_until_ready(train_step.lower(params, opt_state, x0, y0, key).compile())
-    print(f"compiled the training step in {time.perf_counter() - start:.2f} s")
-
-    xs, ys = to_jax(train_x), to_jax(train_y)
-    steps_per_epoch = len(train_y) // BATCH
+    training.compile(*next(iter(loader)))
+    print(f"compiled the training program in {time.perf_counter() - start:.2f} s")
     for epoch in range(EPOCHS):
         start = time.perf_counter()
-        for step in range(steps_per_epoch):
-            batch = slice(step * BATCH, (step + 1) * BATCH)
-            params, opt_state, loss = train_step(params, opt_state, xs[batch], ys[batch],
-                                                 jax.random.fold_in(key, step))
-        loss = float(loss)
+        for images, labels in loader:
+            _, losses = training(images, labels)
         seconds = time.perf_counter() - start
-        print(f"epoch {epoch + 1}: loss {loss:.4f}, {steps_per_epoch * BATCH / seconds:,.0f} img/s")
+        print(f"epoch {epoch + 1}: loss {losses.mean():.4f} (per replica {losses.numpy().round(3)}), "
+              f"{len(loader) * loader.combinedBatchSize / seconds:,.0f} img/s")
 
-    test_program = compile_module(model, (test_x[:BATCH],))
-    logits = jax.jit(lambda p, x: test_program.fn(p, buffers, (x,), key)[0])(params, to_jax(test_x))
-    accuracy = float(jnp.mean(jnp.argmax(logits, -1) == to_jax(test_y)))
+    training.detachFromDevice()
+    inference = poptorch.inferenceModel(model)
+    accuracy = (inference(test_x).argmax(-1) == test_y).float().mean()
     print(f"test accuracy {accuracy:.1%} on {len(test_y)} held-out digits")
 
 

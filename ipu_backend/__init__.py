@@ -1,5 +1,20 @@
 """PopTorch's programming model rebuilt on JAX/XLA: ``import ipu_backend as poptorch``."""
 
-from ipu_backend.errors import Error
+from ipu_backend.runtime.devices import reserve_cpu_devices
 
-__all__ = ["Error"]
+reserve_cpu_devices()
+
+from ipu_backend import optim  # noqa: E402
+from ipu_backend.compiler.custom_ops import identity_loss  # noqa: E402
+from ipu_backend.data import DataLoader  # noqa: E402
+from ipu_backend.enums import DataLoaderMode, MeanReductionStrategy, OutputMode, ReductionType  # noqa: E402
+from ipu_backend.errors import Error  # noqa: E402
+from ipu_backend.models import inferenceModel, trainingModel  # noqa: E402
+from ipu_backend.options import Options, TensorLocationSettings  # noqa: E402
+from ipu_backend.runtime.executor import PoplarExecutor  # noqa: E402
+
+__all__ = [
+    "DataLoader", "DataLoaderMode", "Error", "MeanReductionStrategy", "Options", "OutputMode",
+    "PoplarExecutor", "ReductionType", "TensorLocationSettings", "identity_loss", "inferenceModel",
+    "optim", "trainingModel",
+]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx.traceback
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ipu_backend.compiler.sources import traceback_location
@@ -85,7 +86,9 @@ class StepCall(torch.nn.Module):
 def export(module: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram:
     """torch.export (non-strict) decomposed to core ATen, with errors a user can act on."""
     try:
-        exported = torch.export.export(module, tuple(args), strict=False)
+        # preserve_node_meta keeps torch.fx.traceback.annotate(...) tags (pipeline blocks) on nodes.
+        with torch.fx.traceback.preserve_node_meta():
+            exported = torch.export.export(module, tuple(args), strict=False)
     except GuardOnDataDependentSymNode as error:
         where = traceback_location(error.__traceback__) or "unknown source line"
         raise Error(

@@ -1,0 +1,1 @@
+"""Emulated IPUs: devices, the step program and the executor."""

@@ -1,0 +1,37 @@
+"""Emulated IPUs and the JAX devices that carry them."""
+
+import os
+import warnings
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+DEFAULT_CPU_DEVICES = 8
+
+
+def reserve_cpu_devices(count: int | None = None) -> None:
+    """Ask JAX for ``count`` CPU devices (``IPU_BACKEND_CPU_DEVICES``, else 8): one per emulated IPU.
+
+    JAX accepts this only before its first computation; afterwards the devices it has are used
+    and replicas fold onto them with the same numerics.
+    """
+    count = count or int(os.environ.get("IPU_BACKEND_CPU_DEVICES", DEFAULT_CPU_DEVICES))
+    if jax.config.jax_num_cpu_devices >= count:
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        return
+
+
+def replica_mesh(replicas: int) -> Mesh:
+    """A 1-D mesh over as many devices as divide ``replicas``; the rest fold onto them."""
+    available = jax.devices()
+    count = max(d for d in range(1, min(replicas, len(available)) + 1) if replicas % d == 0)
+    if count < replicas:
+        warnings.warn(f"{replicas} replicas run on {count} JAX device(s) ({len(available)} available): "
+                      f"{replicas // count} replicas share each device, with identical numerics. Set "
+                      "IPU_BACKEND_CPU_DEVICES before the first JAX computation for one device each.",
+                      stacklevel=3)
+    return Mesh(np.array(available[:count]), ("replica",))

@@ -1,0 +1,289 @@
+"""PopTorch's executor (``PoplarExecutor``): one compiled step per input signature, weights on
+the emulated IPUs, the user's module kept in sync."""
+
+import inspect
+import logging
+import time
+import warnings
+
+import jax
+import torch
+import torch.utils._pytree as torch_pytree
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ipu_backend.compiler import compile_module
+from ipu_backend.compiler.custom_ops import IDENTITY_LOSS
+from ipu_backend.enums import OutputMode, ReductionType
+from ipu_backend.errors import Error
+from ipu_backend.runtime import compilation_cache
+from ipu_backend.runtime.devices import replica_mesh
+from ipu_backend.runtime.optimizers import optimizer_rule
+from ipu_backend.runtime.outputs import inputs_to_device, output_to_host
+from ipu_backend.runtime.step import OutputLayout, Schedule, inference_call, training_call
+from ipu_backend.runtime.weights import release, weight_store
+
+logger = logging.getLogger("ipu_backend")
+
+_OUTPUT_MODES = {OutputMode.All: "all", OutputMode.Final: "final", OutputMode.Sum: "sum",
+                 OutputMode.EveryN: "every_n"}
+
+
+class _Compiled:
+    """One compiled call and what the host needs to use it."""
+
+    def __init__(self, call, program, layout, output_dtypes, rule=None):
+        self.call, self.program, self.layout = call, program, layout
+        self.output_dtypes, self.rule = output_dtypes, rule
+
+
+def _signature(args) -> tuple:
+    leaves, spec = torch_pytree.tree_flatten(args)
+    return (spec,) + tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("const", x)
+                           for x in leaves)
+
+
+def _output_nodes(program):
+    """The graph nodes (or constants) of the user outputs, flattened in pytree order."""
+    output = next(n for n in program.graph_module.graph.nodes if n.op == "output")
+    return list(output.args[0][len(program.mutated_buffers):])
+
+
+def find_loss(program) -> int:
+    """Index, among the array outputs, of the loss: the output of ``identity_loss`` if the model
+    uses it, otherwise the only scalar float output (PopTorch's rule for returned losses)."""
+    nodes = [n for n in _output_nodes(program) if isinstance(n, torch.fx.Node)]
+    marked = [n for n in program.graph_module.graph.nodes if n.target is IDENTITY_LOSS]
+    if len(marked) > 1:
+        raise Error(f"the model has {len(marked)} independent losses (identity_loss at "
+                    f"{', '.join(program.source_locations.get(n.name) or '?' for n in marked)}); "
+                    "combine them into one, e.g. identity_loss(loss_a + loss_b, reduction='none')")
+    if marked:
+        if marked[0] not in nodes:
+            raise Error("the identity_loss result must be returned by the model's forward "
+                        f"(it is computed at {program.source_locations.get(marked[0].name)})")
+        return nodes.index(marked[0])
+    scalars = [i for i, n in enumerate(nodes)
+               if n.meta["val"].ndim == 0 and n.meta["val"].is_floating_point()]
+    if len(scalars) == 1:
+        return scalars[0]
+    if not scalars:
+        raise Error("a training model must return its loss: return a scalar loss from forward "
+                    "(for example `return output, loss`) or mark it with poptorch.identity_loss")
+    raise Error(f"the model returns {len(scalars)} scalar outputs, so which one is the loss is "
+                "ambiguous: mark the loss with poptorch.identity_loss(loss, reduction='none')")
+
+
+class PoplarExecutor:
+    """What ``trainingModel``/``inferenceModel`` return: call it like the model."""
+
+    def __init__(self, model: torch.nn.Module, options, training: bool, optimizer=None):
+        from ipu_backend.options import Options
+        options = options if options is not None else Options()
+        options._freeze()
+        self._options = options.clone()
+        self._options._freeze()
+        self._training = training
+        if not training and self._options.Training.gradient_accumulation != 1:
+            raise Error("You must set poptorch.Options().Training.gradientAccumulation to 1 or leave "
+                        "it as its default value (1) when running a poptorch.inferenceModel().")
+        self._user_model = model
+        if training and optimizer is None:
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        self._optimizer = optimizer
+        self._store = weight_store(model)
+        self._compiled: dict = {}
+        self._last_signature = None
+        self._opt_state = None
+        self._attached = True
+        self._destroyed = False
+        self._calls_made = 0
+        seed = self._options.random_seed
+        self._seed = int(torch.randint(0, 2**31 - 1, ())) if seed is None else seed
+        if training:
+            self._store.on_host_sync.append(self._optimizer_state_to_host)
+        compilation_cache.configure(self._options.executable_cache_dir)
+
+    # --- PopTorch's public surface -------------------------------------------------------
+    @property
+    def options(self):
+        return self._options
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._user_model
+
+    def __getattr__(self, name):
+        """Attributes of the wrapped model, as PopTorch's executor exposes them."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._user_model, name)
+
+    def __call__(self, *args, **kwargs):
+        args = self._bind(args, kwargs)
+        compiled = self._compile(args)
+        if not self._attached:
+            self.attachToDevice()
+        schedule = self._schedule()
+        mesh = replica_mesh(schedule.replicas)
+        inputs = inputs_to_device(args, schedule, mesh)
+        key = jax.random.fold_in(self._base_key(), self._next_call_index())
+        params, buffers = self._store.device_state()
+        if self._training:
+            hyper = compiled.rule.hyperparameters(self._optimizer)
+            state = {"params": params, "buffers": buffers, "opt": self._optimizer_state(compiled.rule, params)}
+            state = jax.device_put(state, NamedSharding(mesh, P()))
+            state, arrays, _ = compiled.call(state, inputs, hyper, key)
+            self._opt_state = state["opt"]
+        else:
+            state = jax.device_put({"params": params, "buffers": buffers}, NamedSharding(mesh, P()))
+            state, arrays = compiled.call(state, inputs, key)
+        self._store.update(state["params"], state["buffers"])
+        outputs = [output_to_host(a, d) for a, d in zip(arrays, compiled.output_dtypes)]
+        return compiled.layout.join(outputs)
+
+    def compile(self, *args, **kwargs) -> None:
+        """Compile for these inputs without running."""
+        self._compile(self._bind(args, kwargs))
+
+    def isCompiled(self) -> bool:
+        return bool(self._compiled)
+
+    def copyWeightsToHost(self) -> None:
+        self._store.sync_to_host()
+
+    def copyWeightsToDevice(self) -> None:
+        self._store.load_from_host()
+
+    def setOptimizer(self, optimizer) -> None:
+        """Use ``optimizer``'s hyper-parameters from the next call on; they are program inputs,
+        so this never recompiles unless the optimizer's kind or parameter groups change."""
+        if not self._training:
+            raise Error("setOptimizer is only available on a trainingModel")
+        old = self._optimizer
+        self._optimizer = optimizer
+        if type(old) is not type(optimizer) or len(old.param_groups) != len(optimizer.param_groups):
+            self._compiled.clear()
+            self._opt_state = None
+
+    def attachToDevice(self) -> None:
+        if self._attached:
+            raise Error("Device is already attached")
+        self._attached = True
+
+    def detachFromDevice(self) -> None:
+        if not self._attached:
+            raise Error("Device is not attached")
+        self.copyWeightsToHost()
+        self._attached = False
+
+    def isAttachedToDevice(self) -> bool:
+        return self._attached
+
+    def destroy(self) -> None:
+        """Release the device: weights reach the host and the module gets its own class back."""
+        release(self._user_model)
+        self._compiled.clear()
+        self._destroyed = True
+
+    # --- internals -------------------------------------------------------------------------
+    def _bind(self, args, kwargs) -> tuple:
+        if self._destroyed:
+            raise Error("this model was destroyed; create a new trainingModel/inferenceModel")
+        if not kwargs:
+            return tuple(args)
+        bound = inspect.signature(self._user_model.forward).bind(*args, **kwargs)
+        bound.apply_defaults()
+        return tuple(bound.args)
+
+    def _schedule(self) -> Schedule:
+        opts = self._options
+        mode = opts.output_mode
+        if mode == OutputMode.Default:
+            mode = OutputMode.Final if self._training else OutputMode.All
+        return Schedule(
+            device_iterations=opts.device_iterations,
+            accumulation=opts.Training.gradient_accumulation if self._training else 1,
+            replicas=opts.replication_factor,
+            mean_reduction=opts.Training.accumulation_and_replication_reduction_type != ReductionType.Sum,
+            output_mode=_OUTPUT_MODES[mode],
+            output_period=opts.output_return_period or 1)
+
+    def _micro_batch(self, args: tuple, schedule: Schedule) -> tuple:
+        def first(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            if x.ndim == 0 or x.shape[0] == 0 or x.numel() == 0:
+                raise Error(f"inputs must have a non-empty batch dimension; got shape {tuple(x.shape)}")
+            if x.shape[0] % schedule.factor:
+                raise Error(
+                    f"Invalid batch dimension: the input's batch dimension ({x.shape[0]}) must be a "
+                    f"multiple of Options.deviceIterations({schedule.device_iterations}) * "
+                    f"Options.replicationFactor({schedule.replicas}) * "
+                    f"Options.Training.gradientAccumulation({schedule.accumulation}) = "
+                    f"{schedule.factor}; resize the batch (or use poptorch.DataLoader, which "
+                    "builds combined batches of the right size)")
+            return x[: x.shape[0] // schedule.factor]
+
+        return torch_pytree.tree_map(first, args)
+
+    def _compile(self, args: tuple) -> _Compiled:
+        signature = _signature(args)
+        compiled = self._compiled.get(signature)
+        if compiled is not None:
+            return compiled
+        if self._last_signature is not None:
+            warnings.warn("the inputs' shapes or dtypes changed since the last call: compiling "
+                          "again for the new ones (each distinct signature is compiled once)",
+                          stacklevel=3)
+        self._last_signature = signature
+        schedule = self._schedule()
+        micro = self._micro_batch(args, schedule)
+        start = time.perf_counter()
+        compiled = self._build(micro, schedule)
+        self._compiled[signature] = compiled
+        logger.info("compiled %s model in %.2f s", "training" if self._training else "inference",
+                    time.perf_counter() - start)
+        return compiled
+
+    def _build(self, micro: tuple, schedule: Schedule) -> _Compiled:
+        model = self._user_model
+        was_training = model.training
+        model.train(self._training)
+        self._store.sync_to_host()
+        try:
+            program = compile_module(model, micro)
+        finally:
+            model.train(was_training)
+        layout = OutputLayout()
+        mesh = replica_mesh(schedule.replicas)
+        nodes = [n for n in _output_nodes(program) if isinstance(n, torch.fx.Node)]
+        dtypes = [n.meta["val"].dtype for n in nodes]
+        if self._training:
+            rule = optimizer_rule(self._optimizer, {id(p): n for n, p in
+                                                    torch.nn.Module.named_parameters(model)})
+            call = training_call(program, find_loss(program), rule, schedule, mesh, layout)
+            return _Compiled(call, program, layout, dtypes, rule)
+        return _Compiled(inference_call(program, schedule, mesh, layout), program, layout, dtypes)
+
+    def _optimizer_state(self, rule, params):
+        if self._opt_state is None:
+            has_torch_state = any(self._optimizer.state.get(p) for g in self._optimizer.param_groups
+                                  for p in g["params"])
+            self._opt_state = (rule.state_from_torch(self._optimizer, params) if has_torch_state
+                               else rule.init(params))
+        return self._opt_state
+
+    def _optimizer_state_to_host(self) -> None:
+        compiled = next(iter(self._compiled.values()), None)
+        if self._opt_state is not None and compiled is not None:
+            compiled.rule.state_to_torch(jax.device_get(self._opt_state), self._optimizer)
+
+    def _base_key(self):
+        """Options.randomSeed when set, else a seed drawn from torch's generator (so
+        torch.manual_seed makes runs repeatable)."""
+        return jax.random.key(self._seed)
+
+    def _next_call_index(self) -> int:
+        self._calls_made += 1
+        return self._calls_made

@@ -1,0 +1,192 @@
+"""The step program: device iterations, gradient accumulation, replication and the optimizer
+update, as one pure function compiled once.
+
+Batches arrive in PopTorch's combined layout, split as ``[device_iterations,
+gradient_accumulation, replicas, micro_batch, ...]`` (PopART's order). Replicas are sharded over a
+1-D device mesh (several replicas per device vmap when there are fewer devices); device iterations
+and accumulation are ``lax.scan`` loops inside the program, never host loops.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import torch.utils._pytree as torch_pytree
+from jax.sharding import PartitionSpec as P
+
+from ipu_backend.compiler import Program
+from ipu_backend.compiler.lowering_options import lowering_options
+
+REPLICA = "replica"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How one host call is split: D device iterations × A micro-batches × R replicas."""
+
+    device_iterations: int
+    accumulation: int
+    replicas: int
+    mean_reduction: bool = True
+    output_mode: str = "final"          # "all" | "final" | "sum" | "every_n"
+    output_period: int = 1
+
+    @property
+    def factor(self) -> int:
+        return self.device_iterations * self.accumulation * self.replicas
+
+
+def split_batch(array, schedule: Schedule):
+    """Combined batch ``[D·A·R·m, ...]`` → ``[D, A, R, m, ...]``."""
+    micro = array.shape[0] // schedule.factor
+    return array.reshape(schedule.device_iterations, schedule.accumulation, schedule.replicas,
+                         micro, *array.shape[1:])
+
+
+def _loop(body, carry, xs, length):
+    """``lax.scan`` when there is more than one step, else one direct call (convolutions stay
+    in XLA's fast top-level layout then)."""
+    if length > 1:
+        return jax.lax.scan(body, carry, xs)
+    carry, ys = body(carry, jax.tree.map(lambda x: x[0], xs))
+    return carry, jax.tree.map(lambda y: y[None], ys)
+
+
+def _select_outputs(ys, schedule: Schedule):
+    """Per-micro-batch outputs ``[D, A, r, ...]`` reduced as the output mode asks."""
+    mode = schedule.output_mode
+    if mode == "all":
+        return ys
+    if mode == "sum":
+        return jax.tree.map(lambda y: y.sum(axis=(0, 1), keepdims=True), ys)
+    if mode == "every_n":
+        n = schedule.output_period
+        return jax.tree.map(lambda y: y[n - 1::n, -1:], ys)
+    return jax.tree.map(lambda y: y[-1:, -1:], ys)
+
+
+class OutputLayout:
+    """Records, while tracing, which output leaves are arrays so the host can rebuild the rest."""
+
+    def __init__(self):
+        self.spec = None
+        self.static = None
+
+    def split(self, outputs):
+        leaves, self.spec = torch_pytree.tree_flatten(outputs)
+        self.static = [None if isinstance(leaf, jax.Array) else leaf for leaf in leaves]
+        return [leaf for leaf in leaves if isinstance(leaf, jax.Array)]
+
+    def join(self, arrays):
+        arrays = iter(arrays)
+        leaves = [next(arrays) if s is None else s for s in self.static]
+        return torch_pytree.tree_unflatten(leaves, self.spec)
+
+
+def _replica_keys(key, local_replicas):
+    first = jax.lax.axis_index(REPLICA) * local_replicas
+    return jax.vmap(lambda i: jax.random.fold_in(key, first + i))(jnp.arange(local_replicas))
+
+
+def _from_replica_zero(tree, local_replicas):
+    """Replica 0's value on every device (PopTorch's broadcastBuffers)."""
+    first = jax.tree.map(lambda x: x[0], tree)
+    is_zero = jax.lax.axis_index(REPLICA) == 0
+    return jax.tree.map(
+        lambda x: jax.lax.psum(jnp.where(is_zero, x, jnp.zeros_like(x)), REPLICA).astype(x.dtype), first)
+
+
+def training_call(program: Program, loss_index: int, rule, schedule: Schedule, mesh,
+                  layout: OutputLayout) -> Callable:
+    """``call(state, inputs, hyper, key) -> (state, outputs, logs)``, jitted over the mesh.
+
+    ``state`` is ``{"params", "buffers", "opt"}``; ``inputs`` the positional arguments, each array
+    split by :func:`split_batch`; outputs are ``[r, D', A', ...]`` per device, gathered on the replica
+    axis, and selected by the output mode.
+    """
+    local = schedule.replicas // mesh.size
+    scale_sum = 1 if not schedule.mean_reduction else schedule.accumulation * schedule.replicas
+
+    def micro_step(params, buffers, inputs, key, loss_scale):
+        def scaled_loss(p):
+            outputs, new_buffers, logs = program.logged_fn(p, buffers, inputs, key)
+            arrays = layout.split(outputs)
+            return arrays[loss_index] * loss_scale, (arrays, new_buffers, logs)
+
+        (_, aux), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
+        return grads, aux
+
+    def replica_step(params, buffers, inputs, keys, loss_scale):
+        """All local replicas on one micro-batch each: vmapped, from the same weights."""
+        return jax.vmap(micro_step, in_axes=(None, None, 0, 0, None))(params, buffers, inputs, keys, loss_scale)
+
+    def iteration(carry, xs):
+        params, buffers, opt_state, hyper = carry
+        inputs, key = xs                                   # inputs: [A, r, m, ...]
+        loss_scale = rule.loss_scale(hyper)
+
+        def accumulate(acc, micro):
+            grads_sum, buffers = acc
+            micro_inputs, index = micro
+            keys = _replica_keys(jax.random.fold_in(key, index), local)
+            grads, (arrays, new_buffers, logs) = replica_step(params, buffers, micro_inputs, keys, loss_scale)
+            grads_sum = jax.tree.map(lambda s, g: s + g.sum(0), grads_sum, grads)
+            return (grads_sum, _from_replica_zero(new_buffers, local)), (arrays, logs)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        indices = jnp.arange(schedule.accumulation)
+        (grads_sum, buffers), ys = _loop(accumulate, (zeros, buffers), (inputs, indices), schedule.accumulation)
+        grads = jax.tree.map(lambda g: jax.lax.psum(g, REPLICA) / (scale_sum * loss_scale), grads_sum)
+        params, opt_state = rule.update(grads, opt_state, params, hyper)
+        return (params, buffers, opt_state, hyper), ys
+
+    def device_program(state, inputs, hyper, key):
+        keys = jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(schedule.device_iterations))
+        carry = (state["params"], state["buffers"], state["opt"], hyper)
+        with lowering_options(conv_algorithm="im2col" if schedule.device_iterations > 1 or
+                              schedule.accumulation > 1 else "xla"):
+            (params, buffers, opt_state, _), (arrays, logs) = _loop(
+                iteration, carry, (inputs, keys), schedule.device_iterations)
+        arrays, logs = _select_outputs((arrays, logs), schedule)
+        # [D', A', r, ...] -> [r, D', A', ...] so the replica axis is gathered first.
+        arrays, logs = jax.tree.map(lambda y: jnp.moveaxis(y, 2, 0), (arrays, logs))
+        return {"params": params, "buffers": buffers, "opt": opt_state}, arrays, logs
+
+    sharded = jax.shard_map(
+        device_program, mesh=mesh,
+        in_specs=(P(), P(None, None, REPLICA), P(), P()),
+        out_specs=(P(), P(REPLICA), P(REPLICA)),
+        check_vma=False)
+    return jax.jit(sharded, donate_argnums=(0,))
+
+
+def inference_call(program: Program, schedule: Schedule, mesh, layout: OutputLayout) -> Callable:
+    """``call(state, inputs, key) -> (state, outputs)``: D iterations of the forward on R replicas."""
+    local = schedule.replicas // mesh.size
+
+    def device_program(state, inputs, key):
+        params = state["params"]
+
+        def forward(buffers, micro_inputs, replica_key):
+            outputs, new_buffers, _ = program.logged_fn(params, buffers, micro_inputs, replica_key)
+            return layout.split(outputs), new_buffers
+
+        def iteration(buffers, xs):
+            micro_inputs, key = xs                       # micro_inputs: [1, r, m, ...]
+            arrays, new_buffers = jax.vmap(forward, in_axes=(None, 0, 0))(
+                buffers, jax.tree.map(lambda x: x[0], micro_inputs), _replica_keys(key, local))
+            return _from_replica_zero(new_buffers, local), jax.tree.map(lambda y: y[None], arrays)
+
+        keys = jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(schedule.device_iterations))
+        with lowering_options(conv_algorithm="im2col" if schedule.device_iterations > 1 else "xla"):
+            buffers, arrays = _loop(iteration, state["buffers"], (inputs, keys), schedule.device_iterations)
+        arrays = jax.tree.map(lambda y: jnp.moveaxis(y, 2, 0), _select_outputs(arrays, schedule))
+        return {"params": params, "buffers": buffers}, arrays
+
+    sharded = jax.shard_map(
+        device_program, mesh=mesh,
+        in_specs=(P(), P(None, None, REPLICA), P()),
+        out_specs=(P(), P(REPLICA)),
+        check_vma=False)
+    return jax.jit(sharded)

@@ -1,0 +1,126 @@
+"""The device's copy of a module's weights, shared by every executor of that module.
+
+As in PopTorch, after a training call the user's module shows the device's weights the moment it
+is touched (parameters, buffers, ``state_dict``, a forward call): the module's class is swapped
+for a subclass whose accessors copy the weights back first, and only when they changed.
+"""
+
+import weakref
+
+import jax
+import torch
+
+from ipu_backend.compiler import to_jax, to_torch
+
+_STORES: "weakref.WeakKeyDictionary[torch.nn.Module, WeightStore]" = weakref.WeakKeyDictionary()
+
+
+class WeightStore:
+    """Parameters and buffers of one module as JAX arrays, with the direction of staleness."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.params: dict | None = None
+        self.buffers: dict | None = None
+        self.host_stale = False        # the device has weights the module does not show yet
+        self.on_host_sync = []         # callbacks run after weights reach the host (optimizer state)
+
+    def device_state(self) -> tuple[dict, dict]:
+        """The weights for the next device call, read from the module when the device has none."""
+        if self.params is None:
+            self.load_from_host()
+        return self.params, self.buffers
+
+    def load_from_host(self) -> None:
+        """The module's current values become the device's (``copyWeightsToDevice``)."""
+        self.host_stale = False
+        self.params = {n: to_jax(p) for n, p in torch.nn.Module.named_parameters(self.module)}
+        self.buffers = {n: to_jax(b) for n, b in torch.nn.Module.named_buffers(self.module)}
+
+    def update(self, params: dict, buffers: dict) -> None:
+        """New weights computed on the device; the host copy is refreshed lazily."""
+        self.params, self.buffers = params, buffers
+        self.host_stale = True
+
+    def sync_to_host(self) -> None:
+        """Write the device's weights into the module's tensors, in place (``copyWeightsToHost``)."""
+        if not self.host_stale:
+            return
+        self.host_stale = False
+        host = jax.device_get((self.params, self.buffers))
+        with torch.no_grad():
+            for source, named in ((host[0], torch.nn.Module.named_parameters(self.module)),
+                                  (host[1], torch.nn.Module.named_buffers(self.module))):
+                for name, tensor in named:
+                    if name in source:
+                        tensor.copy_(to_torch(source[name], tensor.dtype))
+        for callback in self.on_host_sync:
+            callback()
+
+
+def weight_store(module: torch.nn.Module) -> WeightStore:
+    """The one store of ``module``, created (and the module made host-syncing) on first use."""
+    store = _STORES.get(module)
+    if store is None:
+        store = _STORES[module] = WeightStore(module)
+        _make_host_syncing(module)
+    return store
+
+
+def release(module: torch.nn.Module) -> None:
+    """Forget the device weights and give the module its own class back."""
+    store = _STORES.pop(module, None)
+    if store is not None:
+        store.sync_to_host()
+    cls = type(module)
+    if getattr(cls, "_ipu_original_class", None) is not None:
+        module.__class__ = cls._ipu_original_class
+
+
+def _sync(module) -> None:
+    store = _STORES.get(module)
+    if store is not None and store.host_stale:
+        store.sync_to_host()
+
+
+class _HostSyncing:
+    """Accessors that show the device's weights; mixed in front of the user's module class."""
+
+    _ipu_original_class = None
+
+    def __getattr__(self, name):
+        _sync(self)
+        return super().__getattr__(name)
+
+    def __call__(self, *args, **kwargs):
+        _sync(self)
+        return super().__call__(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        _sync(self)
+        return super().state_dict(*args, **kwargs)
+
+    def named_parameters(self, *args, **kwargs):
+        _sync(self)
+        return super().named_parameters(*args, **kwargs)
+
+    def parameters(self, *args, **kwargs):
+        _sync(self)
+        return super().parameters(*args, **kwargs)
+
+    def named_buffers(self, *args, **kwargs):
+        _sync(self)
+        return super().named_buffers(*args, **kwargs)
+
+    def buffers(self, *args, **kwargs):
+        _sync(self)
+        return super().buffers(*args, **kwargs)
+
+
+def _make_host_syncing(module: torch.nn.Module) -> None:
+    cls = type(module)
+    if issubclass(cls, _HostSyncing):
+        return
+    module.__class__ = type(cls.__name__, (_HostSyncing, cls),
+                            {"_ipu_original_class": cls, "__qualname__": cls.__qualname__,
+                             "__module__": cls.__module__})
