@@ -10,7 +10,8 @@ Three equivalent ways to build one:
 Every PopTorch setting is one of three kinds:
 
 * **emulated**: read back as an attribute (``opts.device_iterations``,
-  ``opts.Training.gradient_accumulation``) and honoured by the runtime;
+  ``opts.Training.gradient_accumulation``) by the runtime, which honours them (or refuses, naming
+  the option, a value it cannot honour);
 * **inert**: about hardware, compilation, memory placement or logging, with no meaning on emulated
   IPUs (``useIpuModel``, ``logDir``, ``_Popart.set``, ...). Accepted so that PopTorch scripts run
   unchanged, checked as PopTorch checks them, recorded (``opts.toDict()["recorded"]``, and read
@@ -26,6 +27,7 @@ raises :class:`FrozenOptionsError` with PopTorch's message. :meth:`Options.clone
 
 import copy
 import enum
+import functools
 import inspect
 import json
 import os
@@ -159,15 +161,12 @@ class _SharedState:
 def _unless_frozen(setter):
     """Make ``setter`` raise PopTorch's error once its options are frozen."""
 
+    @functools.wraps(setter)
     def checked_setter(self, *args, **kwargs):
         if self._shared.frozen:
             raise FrozenOptionsError("Can't modify frozen Options")
         return setter(self, *args, **kwargs)
 
-    checked_setter.__name__ = setter.__name__
-    checked_setter.__qualname__ = setter.__qualname__
-    checked_setter.__doc__ = setter.__doc__
-    checked_setter.__wrapped__ = setter
     return checked_setter
 
 
@@ -449,8 +448,9 @@ class _DistributedOptions(_OptionGroup):
     @_unless_frozen
     def setEnvVarNames(self, var_num_processes: str, var_process_id: str) -> Self:
         """Read the process id and count from these environment variables (as PopTorch)."""
-        return self.configureProcessId(int(os.environ.get(_str(var_process_id, "var_process_id"), "0")),
-                                       int(os.environ.get(_str(var_num_processes, "var_num_processes"), "1")))
+        process_id = os.environ.get(_str(var_process_id, "var_process_id"), "0")
+        num_processes = os.environ.get(_str(var_num_processes, "var_num_processes"), "1")
+        return self.configureProcessId(int(process_id), int(num_processes))
 
     @_unless_frozen
     def configureProcessId(self, process_id: int, num_processes: int) -> Self:

@@ -1,0 +1,296 @@
+"""ipu_backend.data.DataLoader: combined batches, remainders, batch samplers, asynchronous
+prefetching, deterministic shuffling, the gathered fast path, argument checks."""
+
+import gc
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    Dataset,
+    IterableDataset,
+    SequentialSampler,
+    Subset,
+    TensorDataset,
+)
+
+from ipu_backend import Error
+from ipu_backend.data import DataLoader
+from ipu_backend.enums import DataLoaderMode
+from ipu_backend.options import FrozenOptionsError, InvalidArgument, Options, WrongArgumentType
+
+
+def _samples(n):
+    """Sample i is (i as a 2x3 float image, label i)."""
+    return TensorDataset(torch.arange(n, dtype=torch.float32)[:, None, None].expand(n, 2, 3)
+                         .contiguous(), torch.arange(n))
+
+
+class _PerSample(Dataset):
+    """The same samples through __getitem__ only, so torch fetches them one by one."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return self.dataset[index]
+
+
+class _Stream(IterableDataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return ({"x": torch.tensor([float(i)]), "y": i} for i in range(self.n))
+
+
+def _labels(loader):
+    return [batch[1].tolist() for batch in loader]
+
+
+def _assert_same_batches(left, right):
+    left, right = list(left), list(right)
+    assert len(left) == len(right)
+    for a, b in zip(left, right):
+        assert type(a) is type(b) and len(a) == len(b)
+        for ta, tb in zip(a, b):
+            assert ta.dtype == tb.dtype and torch.equal(ta, tb)
+
+
+def _quietly(make):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return make()
+
+
+def test_combined_batches_shape_order_and_length():
+    opts = Options(device_iterations=2, replication_factor=3, gradient_accumulation=2)
+    loader = DataLoader(opts, _samples(96), batch_size=4)
+    assert loader.combinedBatchSize == 48 and loader.options is opts and len(loader) == 2
+    batches = list(loader)
+    assert len(batches) == 2
+    for k, (images, labels) in enumerate(batches):
+        assert images.shape == (48, 2, 3) and labels.shape == (48,)
+        assert torch.equal(labels, torch.arange(48 * k, 48 * (k + 1)))
+        assert torch.equal(images[:, 0, 0], labels.float())
+    with pytest.raises(FrozenOptionsError):
+        opts.deviceIterations(1)
+
+
+def test_remainder_is_dropped_with_a_warning():
+    opts = Options(device_iterations=4)
+    with pytest.warns(UserWarning, match=r"100 samples do not divide into combined batches of 24 "
+                                         r"\(batch_size 6 x device_iterations 4 .*the last 4 "
+                                         r"samples of each epoch are dropped"):
+        loader = DataLoader(opts, _samples(100), batch_size=6)
+    assert len(loader) == 4 and _labels(loader)[-1] == list(range(72, 96))
+
+    with pytest.warns(UserWarning, match="the last combined batch has 4 samples"):
+        loader = DataLoader(opts.clone(), _samples(100), batch_size=6, drop_last=False)
+    assert len(loader) == 5 and _labels(loader)[-1] == [96, 97, 98, 99]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DataLoader(opts.clone(), _samples(96), batch_size=6)
+
+
+def test_batch_sampler_micro_batches_are_combined_across_replicas():
+    opts = Options(replication_factor=2, device_iterations=2)
+    micro_batches = BatchSampler(SequentialSampler(range(30)), batch_size=3, drop_last=False)
+    with pytest.warns(UserWarning, match="10 batches do not divide into combined batches of 4 "
+                                         "micro-batches: the last 2 are dropped"):
+        loader = DataLoader(opts, _samples(30), batch_sampler=micro_batches)
+    assert loader.combinedBatchSize == 12 and len(loader) == 2
+    assert _labels(loader) == [list(range(12)), list(range(12, 24))]
+
+    loader = _quietly(lambda: DataLoader(opts.clone(), _samples(30), batch_sampler=micro_batches,
+                                         drop_last=False))
+    assert len(loader) == 3 and _labels(loader)[-1] == list(range(24, 30))
+
+    uneven = [[5], [0, 1], [9, 8, 7], [2], [3, 4], [6]]  # any iterable of index lists
+    loader = _quietly(lambda: DataLoader(Options(replication_factor=3), _samples(10),
+                                         batch_sampler=uneven))
+    assert loader.combinedBatchSize is None
+    assert _labels(loader) == [[5, 0, 1, 9, 8, 7], [2, 3, 4, 6]]
+
+    for conflicting in ({"batch_size": 2}, {"shuffle": True}):
+        with pytest.raises(InvalidArgument, match="mutually exclusive with batch_size, shuffle"):
+            DataLoader(Options(), _samples(8), batch_sampler=micro_batches, **conflicting)
+
+
+@pytest.mark.parametrize("mode", [DataLoaderMode.Async, DataLoaderMode.AsyncRebatched])
+def test_async_yields_what_sync_yields(mode):
+    def make(dataset, mode, **kwargs):
+        return _quietly(lambda: DataLoader(Options(device_iterations=3, random_seed=4), dataset,
+                                           batch_size=5, shuffle=True, mode=mode, **kwargs))
+
+    for dataset in (_samples(100), _PerSample(_samples(100))):
+        _assert_same_batches(make(dataset, DataLoaderMode.Sync), make(dataset, mode))
+    two_epochs_sync = make(_samples(100), DataLoaderMode.Sync, drop_last=False)
+    two_epochs_async = make(_samples(100), mode, drop_last=False,
+                            async_options={"buffer_size": 1, "early_preload": True})
+    for _ in range(2):
+        _assert_same_batches(two_epochs_sync, two_epochs_async)
+
+
+def test_async_rebatches_an_iterable_dataset():
+    opts = Options(device_iterations=4)
+    sync = _quietly(lambda: DataLoader(opts, _Stream(30), batch_size=2, drop_last=False))
+    rebatched = DataLoader(opts.clone(), _Stream(30), batch_size=2, drop_last=False,
+                           mode=DataLoaderMode.AsyncRebatched, rebatched_worker_size=3)
+    assert len(rebatched) == len(sync) == 4
+    expected = [batch["x"].flatten().tolist() for batch in sync]
+    got = [batch["x"].flatten().tolist() for batch in rebatched]
+    assert got == expected and [len(b) for b in got] == [8, 8, 8, 6]
+    assert [batch["y"].tolist() for batch in rebatched][0] == list(range(8))
+
+    dropped = DataLoader(opts.clone(), _Stream(30), batch_size=2,
+                         mode=DataLoaderMode.AsyncRebatched, rebatched_worker_size=3)
+    assert len(dropped) == 3 and len(list(dropped)) == 3
+    with pytest.raises(InvalidArgument, match=r"rebatched_worker_size \(9\) must be <= to the "
+                                              r"combined batch size \(8\)"):
+        DataLoader(opts.clone(), _Stream(30), batch_size=2, mode=DataLoaderMode.AsyncRebatched,
+                   rebatched_worker_size=9)
+
+
+def test_async_thread_stops_when_iteration_ends_or_is_abandoned():
+    loader = DataLoader(Options(device_iterations=2), _samples(40), batch_size=2,
+                        mode=DataLoaderMode.Async, async_options={"buffer_size": 1})
+    iterator = iter(loader)
+    thread = iterator._thread
+    assert len(list(iterator)) == 10
+    assert not thread.is_alive()
+
+    iterator = iter(loader)
+    next(iterator)
+    thread = iterator._thread
+    del iterator  # abandoned with the producer blocked on a full queue
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+    iterator = iter(loader)
+    next(iterator)
+    loader.terminate()
+    assert not iterator._thread.is_alive()
+    assert list(iterator) == []
+
+
+class _Failing(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        if index == 5:
+            raise KeyError("sample 5 is missing")
+        return torch.tensor(index)
+
+
+def test_async_raises_the_datasets_error_in_the_loop():
+    loader = DataLoader(Options(), _Failing(), batch_size=2, mode="async")
+    iterator = iter(loader)
+    assert next(iterator).tolist() == [0, 1] and next(iterator).tolist() == [2, 3]
+    with pytest.raises(KeyError, match="sample 5 is missing"):
+        next(iterator)
+    assert not iterator._thread.is_alive()
+
+
+def test_shuffle_is_deterministic_given_the_random_seed():
+    def epochs(seed, count=2):
+        loader = DataLoader(Options(device_iterations=2, random_seed=seed), _samples(64),
+                            batch_size=4, shuffle=True)
+        return [sum(_labels(loader), []) for _ in range(count)]
+
+    first, second = epochs(7)
+    assert epochs(7) == [first, second]
+    assert first != second and sorted(first) == list(range(64))
+    assert epochs(8)[0] != first
+
+
+def test_tensor_dataset_batches_are_gathered_not_fetched_per_sample(monkeypatch):
+    opts = Options(device_iterations=5, replication_factor=2)
+    data = _samples(500)
+
+    def plain(dataset, **kwargs):
+        return _quietly(lambda: DataLoader(opts.clone(), _PerSample(dataset), batch_size=7,
+                                           **kwargs))
+
+    def gathered(dataset, **kwargs):
+        return _quietly(lambda: DataLoader(opts.clone(), dataset, batch_size=7, **kwargs))
+
+    expected = [list(plain(data, shuffle=True, generator=torch.Generator().manual_seed(s)))
+                for s in range(2)]
+    subset = Subset(Subset(data, list(range(400, 0, -2))), torch.arange(150))
+    expected_subset = list(plain(subset, drop_last=False))
+
+    def per_sample(self, index):
+        raise AssertionError("a per-sample fetch")
+
+    monkeypatch.setattr(TensorDataset, "__getitem__", per_sample)
+    for seed in range(2):
+        _assert_same_batches(
+            gathered(data, shuffle=True, generator=torch.Generator().manual_seed(seed)),
+            expected[seed])
+    _assert_same_batches(gathered(subset, drop_last=False), expected_subset)
+
+
+class _Batched(Dataset):
+    """A dataset fetching many samples at once through ``__getitems__``."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __len__(self):
+        return 60
+
+    def __getitem__(self, index):
+        raise AssertionError("a per-sample fetch")
+
+    def __getitems__(self, indices):
+        self.calls.append(len(indices))
+        return [torch.tensor(i) for i in indices]
+
+
+def test_getitems_is_called_once_per_combined_batch():
+    dataset = _Batched()
+    loader = DataLoader(Options(device_iterations=4), dataset, batch_size=5)
+    assert [b.tolist() for b in loader] == [list(range(i, i + 20)) for i in (0, 20, 40)]
+    assert dataset.calls == [20, 20, 20]
+
+
+def test_batch_size_none_leaves_batching_to_the_dataset():
+    loader = DataLoader(Options(device_iterations=4), _samples(3), batch_size=None)
+    assert loader.combinedBatchSize is None and len(loader) == 3
+    assert [labels.item() for _, labels in loader] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"batch_size": 0}, InvalidArgument, "batch_size must be >= 1, got 0"),
+    ({"batch_size": -2}, InvalidArgument, "batch_size must be >= 1"),
+    ({"batch_size": 2.5}, WrongArgumentType, "batch_size must be an int"),
+    ({"batch_size": True}, WrongArgumentType, "batch_size must be an int"),
+    ({"num_workers": -1}, InvalidArgument, "num_workers must be >= 0"),
+    ({"shuffle": 1}, WrongArgumentType, "shuffle must be a bool"),
+    ({"drop_last": None}, WrongArgumentType, "drop_last must be a bool"),
+    ({"mode": "parallel"}, InvalidArgument, "mode must be one of Sync, Async, AsyncRebatched"),
+    ({"async_options": {"bufer_size": 2}}, InvalidArgument, r"Unknown async_options \['bufer"),
+    ({"async_options": {"rebatched_size": 2}}, InvalidArgument, "manually specify the rebatch"),
+    ({"async_options": {"buffer_size": 0}}, InvalidArgument, "buffer_size'\\] must be >= 1"),
+    ({"rebatched_worker_size": 0}, InvalidArgument, "rebatched_worker_size must be >= 1"),
+])
+def test_bad_arguments_are_refused_clearly(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        DataLoader(Options(), _samples(8), **kwargs)
+    assert issubclass(error, Error)
+
+
+def test_options_must_be_options():
+    with pytest.raises(WrongArgumentType, match="options must be an ipu_backend.Options, got dict"):
+        DataLoader({"device_iterations": 2}, _samples(8))
