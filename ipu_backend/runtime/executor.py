@@ -20,7 +20,7 @@ from ipu_backend.runtime import compilation_cache
 from ipu_backend.runtime.devices import replica_mesh
 from ipu_backend.runtime.optimizers import optimizer_rule
 from ipu_backend.runtime.outputs import inputs_to_device, output_to_host
-from ipu_backend.runtime.step import OutputLayout, Schedule, inference_call, training_call
+from ipu_backend.runtime.step import OutputLayout, Schedule, inference_call, initial_scaler, training_call
 from ipu_backend.runtime.weights import release, weight_store
 
 logger = logging.getLogger("ipu_backend")
@@ -95,6 +95,7 @@ class PoplarExecutor:
         self._compiled: dict = {}
         self._last_signature = None
         self._opt_state = None
+        self._scaler = None
         self._attached = True
         self._destroyed = False
         self._calls_made = 0
@@ -131,10 +132,11 @@ class PoplarExecutor:
         params, buffers = self._store.device_state()
         if self._training:
             hyper = compiled.rule.hyperparameters(self._optimizer)
-            state = {"params": params, "buffers": buffers, "opt": self._optimizer_state(compiled.rule, params)}
+            state = {"params": params, "buffers": buffers, "opt": self._optimizer_state(compiled.rule, params),
+                     "scaler": self._scaler_state(compiled.rule, hyper)}
             state = jax.device_put(state, NamedSharding(mesh, P()))
             state, arrays, _ = compiled.call(state, inputs, hyper, key)
-            self._opt_state = state["opt"]
+            self._opt_state, self._scaler = state["opt"], state["scaler"]
         else:
             state = jax.device_put({"params": params, "buffers": buffers}, NamedSharding(mesh, P()))
             state, arrays = compiled.call(state, inputs, key)
@@ -162,7 +164,8 @@ class PoplarExecutor:
             raise Error("setOptimizer is only available on a trainingModel")
         old = self._optimizer
         self._optimizer = optimizer
-        if type(old) is not type(optimizer) or len(old.param_groups) != len(optimizer.param_groups):
+        compiled = next(iter(self._compiled.values()), None)
+        if type(old) is not type(optimizer) or (compiled is not None and not compiled.rule.matches(optimizer)):
             self._compiled.clear()
             self._opt_state = None
 
@@ -207,7 +210,8 @@ class PoplarExecutor:
             replicas=opts.replication_factor,
             mean_reduction=opts.Training.accumulation_and_replication_reduction_type != ReductionType.Sum,
             output_mode=_OUTPUT_MODES[mode],
-            output_period=opts.output_return_period or 1)
+            output_period=opts.output_return_period or 1,
+            dynamic_loss_scaling=self._training and opts.Training.auto_loss_scaling)
 
     def _micro_batch(self, args: tuple, schedule: Schedule) -> tuple:
         def first(x):
@@ -273,6 +277,17 @@ class PoplarExecutor:
             self._opt_state = (rule.state_from_torch(self._optimizer, params) if has_torch_state
                                else rule.init(params))
         return self._opt_state
+
+    def _scaler_state(self, rule, hyper):
+        """Dynamic loss scaling state, starting from the optimizer's loss_scaling when it sets one."""
+        if self._scaler is None and self._schedule().dynamic_loss_scaling:
+            initial = float(rule.loss_scale(hyper))
+            self._scaler = initial_scaler(initial if initial != 1.0 else None)
+        return self._scaler
+
+    def loss_scale(self) -> float | None:
+        """The current dynamic loss scale (None unless automatic loss scaling is on)."""
+        return None if self._scaler is None else float(self._scaler["scale"])
 
     def _optimizer_state_to_host(self) -> None:
         compiled = next(iter(self._compiled.values()), None)

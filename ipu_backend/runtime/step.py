@@ -31,6 +31,7 @@ class Schedule:
     mean_reduction: bool = True
     output_mode: str = "final"          # "all" | "final" | "sum" | "every_n"
     output_period: int = 1
+    dynamic_loss_scaling: bool = False
 
     @property
     def factor(self) -> int:
@@ -97,11 +98,33 @@ def _from_replica_zero(tree, local_replicas):
         lambda x: jax.lax.psum(jnp.where(is_zero, x, jnp.zeros_like(x)), REPLICA).astype(x.dtype), first)
 
 
+SCALER_GROWTH_INTERVAL = 2000
+SCALER_INITIAL = 2.0 ** 16
+
+
+def initial_scaler(initial_scale: float | None = None) -> dict:
+    """Dynamic loss scaling state, with torch.amp.GradScaler's defaults."""
+    return {"scale": jnp.asarray(initial_scale or SCALER_INITIAL, jnp.float32),
+            "good_steps": jnp.zeros((), jnp.int32)}
+
+
+def _apply_if_finite(grads, scaler, new, old):
+    """Skip a step whose gradients overflowed and halve the scale; double it after
+    ``SCALER_GROWTH_INTERVAL`` finite steps in a row."""
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    chosen = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    good = jnp.where(finite, scaler["good_steps"] + 1, 0)
+    grow = good >= SCALER_GROWTH_INTERVAL
+    scale = jnp.where(finite, jnp.where(grow, scaler["scale"] * 2, scaler["scale"]), scaler["scale"] / 2)
+    return chosen, {"scale": scale, "good_steps": jnp.where(grow, 0, good)}
+
+
 def training_call(program: Program, loss_index: int, rule, schedule: Schedule, mesh,
                   layout: OutputLayout) -> Callable:
     """``call(state, inputs, hyper, key) -> (state, outputs, logs)``, jitted over the mesh.
 
-    ``state`` is ``{"params", "buffers", "opt"}``; ``inputs`` the positional arguments, each array
+    ``state`` is ``{"params", "buffers", "opt", "scaler"}`` (``scaler``: dynamic loss scaling,
+    see :func:`initial_scaler`, or None); ``inputs`` the positional arguments, each array
     split by :func:`split_batch`; outputs are ``[r, D', A', ...]`` per device, gathered on the replica
     axis, and selected by the output mode.
     """
@@ -122,9 +145,9 @@ def training_call(program: Program, loss_index: int, rule, schedule: Schedule, m
         return jax.vmap(micro_step, in_axes=(None, None, 0, 0, None))(params, buffers, inputs, keys, loss_scale)
 
     def iteration(carry, xs):
-        params, buffers, opt_state, hyper = carry
+        params, buffers, opt_state, scaler, hyper = carry
         inputs, key = xs                                   # inputs: [A, r, m, ...]
-        loss_scale = rule.loss_scale(hyper)
+        loss_scale = scaler["scale"] if schedule.dynamic_loss_scaling else rule.loss_scale(hyper)
 
         def accumulate(acc, micro):
             grads_sum, buffers = acc
@@ -138,20 +161,23 @@ def training_call(program: Program, loss_index: int, rule, schedule: Schedule, m
         indices = jnp.arange(schedule.accumulation)
         (grads_sum, buffers), ys = _loop(accumulate, (zeros, buffers), (inputs, indices), schedule.accumulation)
         grads = jax.tree.map(lambda g: jax.lax.psum(g, REPLICA) / (scale_sum * loss_scale), grads_sum)
-        params, opt_state = rule.update(grads, opt_state, params, hyper)
-        return (params, buffers, opt_state, hyper), ys
+        new_params, new_opt_state = rule.update(grads, opt_state, params, hyper)
+        if schedule.dynamic_loss_scaling:
+            (new_params, new_opt_state), scaler = _apply_if_finite(
+                grads, scaler, (new_params, new_opt_state), (params, opt_state))
+        return (new_params, buffers, new_opt_state, scaler, hyper), ys
 
     def device_program(state, inputs, hyper, key):
         keys = jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(schedule.device_iterations))
-        carry = (state["params"], state["buffers"], state["opt"], hyper)
+        carry = (state["params"], state["buffers"], state["opt"], state["scaler"], hyper)
         with lowering_options(conv_algorithm="im2col" if schedule.device_iterations > 1 or
                               schedule.accumulation > 1 else "xla"):
-            (params, buffers, opt_state, _), (arrays, logs) = _loop(
+            (params, buffers, opt_state, scaler, _), (arrays, logs) = _loop(
                 iteration, carry, (inputs, keys), schedule.device_iterations)
         arrays, logs = _select_outputs((arrays, logs), schedule)
         # [D', A', r, ...] -> [r, D', A', ...] so the replica axis is gathered first.
         arrays, logs = jax.tree.map(lambda y: jnp.moveaxis(y, 2, 0), (arrays, logs))
-        return {"params": params, "buffers": buffers, "opt": opt_state}, arrays, logs
+        return {"params": params, "buffers": buffers, "opt": opt_state, "scaler": scaler}, arrays, logs
 
     sharded = jax.shard_map(
         device_program, mesh=mesh,

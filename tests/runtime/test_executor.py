@@ -108,3 +108,187 @@ def test_replication_equals_the_large_batch_torch_step(replicas):
     _, loss = model(x, y)
     assert loss.shape == (() if replicas == 1 else (replicas,))
     assert_params_equal(ipu, reference)
+
+
+@pytest.mark.parametrize("mode", list(poptorch.OutputMode))
+def test_inference_output_modes_match_popTorch_shapes_and_values(mode):
+    torch.manual_seed(3)
+    model = Regression()
+    x = torch.randn(10, 2, 6)
+    expected = model(x.reshape(10, 2, 6))
+    opts = poptorch.Options().deviceIterations(10)
+    opts.outputMode(mode, output_return_period=5)
+    out = poptorch.inferenceModel(model, opts)(x)
+    if mode in (poptorch.OutputMode.All, poptorch.OutputMode.Default):
+        torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
+    elif mode == poptorch.OutputMode.EveryN:
+        torch.testing.assert_close(out, expected[[4, 9]], rtol=RTOL, atol=ATOL)
+    elif mode == poptorch.OutputMode.Final:
+        torch.testing.assert_close(out, expected[9:], rtol=RTOL, atol=ATOL)
+    else:
+        torch.testing.assert_close(out, expected.sum(0, keepdim=True), rtol=RTOL, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", [poptorch.OutputMode.All, poptorch.OutputMode.Final,
+                                  poptorch.OutputMode.Sum, poptorch.OutputMode.EveryN])
+def test_training_output_modes_return_each_steps_loss_before_its_update(mode):
+    torch.manual_seed(4)
+    reference = Regression()
+    ipu = copy.deepcopy(reference)
+    x, y = data(8 * 2)
+    losses = torch_steps(reference, zip(x.split(2), y.split(2)))
+    opts = poptorch.Options().deviceIterations(8)
+    opts.outputMode(mode, output_return_period=4)
+    _, loss = poptorch.trainingModel(ipu, opts, torch.optim.SGD(ipu.parameters(), lr=0.05))(x, y)
+    expected = {poptorch.OutputMode.All: losses, poptorch.OutputMode.Final: losses[-1],
+                poptorch.OutputMode.Sum: losses.sum(), poptorch.OutputMode.EveryN: losses[[3, 7]]}[mode]
+    torch.testing.assert_close(loss, expected, rtol=RTOL, atol=ATOL)
+
+
+class Normalised(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 3)
+        self.norm = torch.nn.BatchNorm1d(3)
+
+    def forward(self, x, y):
+        out = self.norm(self.linear(x))
+        return out, F.mse_loss(out, y)
+
+
+def test_batchnorm_running_statistics_follow_torch_over_device_iterations():
+    torch.manual_seed(5)
+    reference = Normalised()
+    ipu = copy.deepcopy(reference)
+    x, y = data(4 * 3)
+    torch_steps(reference, zip(x.split(4), y.split(4)))
+    model = poptorch.trainingModel(ipu, poptorch.Options().deviceIterations(3),
+                                   torch.optim.SGD(ipu.parameters(), lr=0.05))
+    model(x, y)
+    for name, buffer in reference.named_buffers():
+        torch.testing.assert_close(dict(ipu.named_buffers())[name], buffer, rtol=RTOL, atol=ATOL, msg=name)
+    assert_params_equal(ipu, reference)
+
+
+def test_training_and_inference_models_share_weights_and_host_edits_reach_the_device():
+    torch.manual_seed(6)
+    net = Regression()
+    x, y = data(4)
+    training = poptorch.trainingModel(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    inference = poptorch.inferenceModel(net)
+    before = inference(x)
+    training(x, y)
+    after = inference(x)
+    assert not torch.allclose(before, after), "inference must see the trained weights"
+    torch.testing.assert_close(after, net(x), rtol=RTOL, atol=ATOL)   # the host module shows them too
+    with torch.no_grad():
+        net.out.bias.add_(1.0)
+    inference.copyWeightsToDevice()
+    torch.testing.assert_close(inference(x), after + 1.0, rtol=RTOL, atol=ATOL)
+
+
+def test_state_dict_after_training_shows_device_weights():
+    torch.manual_seed(7)
+    reference = Regression()
+    ipu = copy.deepcopy(reference)
+    x, y = data(4)
+    torch_steps(reference, [(x, y)])
+    poptorch.trainingModel(ipu, optimizer=torch.optim.SGD(ipu.parameters(), lr=0.05))(x, y)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(ipu.state_dict()[name], value, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_set_optimizer_changes_learning_rate_without_recompiling():
+    torch.manual_seed(8)
+    reference = Regression()
+    ipu = copy.deepcopy(reference)
+    x, y = data(8)
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    ipu_optimizer = torch.optim.SGD(ipu.parameters(), lr=0.05)
+    model = poptorch.trainingModel(ipu, optimizer=ipu_optimizer)
+    for step, lr in enumerate((0.05, 0.2, 0.01)):
+        for group in torch_optimizer.param_groups + ipu_optimizer.param_groups:
+            group["lr"] = lr
+        model.setOptimizer(ipu_optimizer)
+        rows = slice(step * 2, step * 2 + 2)
+        torch_optimizer.zero_grad()
+        reference(x[rows], y[rows])[1].backward()
+        torch_optimizer.step()
+        model(x[rows], y[rows])
+    assert len(model._compiled) == 1
+    assert_params_equal(ipu, reference)
+
+
+def test_new_input_shapes_recompile_with_a_warning():
+    model = poptorch.inferenceModel(Regression())
+    model(torch.randn(4, 6))
+    with pytest.warns(UserWarning, match="compiling again"):
+        out = model(torch.randn(6, 6))
+    assert out.shape == (6, 3)
+
+
+def test_keyword_arguments_bind_to_forward():
+    torch.manual_seed(9)
+    net = Regression()
+    x, y = data(4)
+    _, loss = poptorch.inferenceModel(net)(x=x, y=y)
+    torch.testing.assert_close(loss, net(x, y)[1], rtol=RTOL, atol=ATOL)
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+def test_batch_not_divisible_names_the_numbers():
+    opts = poptorch.Options().deviceIterations(3).replicationFactor(2)
+    model = poptorch.inferenceModel(Regression(), opts)
+    with pytest.raises(poptorch.Error, match=r"Invalid batch dimension.*\(8\).*deviceIterations\(3\).*"
+                                             r"replicationFactor\(2\).*= 6"):
+        model(torch.randn(8, 6))
+
+
+def test_zero_sized_input_is_an_error():
+    with pytest.raises(poptorch.Error, match="non-empty batch"):
+        poptorch.inferenceModel(Regression())(torch.randn(0, 6))
+
+
+def test_inference_model_rejects_gradient_accumulation():
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(2)
+    with pytest.raises(poptorch.Error, match=r"gradientAccumulation to 1"):
+        poptorch.inferenceModel(Regression(), opts)
+
+
+def test_training_model_without_a_loss_is_an_error():
+    with pytest.raises(poptorch.Error, match="must return its loss"):
+        poptorch.trainingModel(Regression())(torch.randn(2, 6))
+
+
+class TwoLosses(Regression):
+    def forward(self, x, y):
+        out = super().forward(x)
+        return F.mse_loss(out, y), F.l1_loss(out, y)
+
+
+def test_several_scalar_outputs_need_identity_loss():
+    x, y = data(2)
+    with pytest.raises(poptorch.Error, match="ambiguous.*identity_loss"):
+        poptorch.trainingModel(TwoLosses())(x, y)
+
+
+class TwoMarkedLosses(Regression):
+    def forward(self, x, y):
+        out = super().forward(x)
+        return (poptorch.identity_loss((out - y) ** 2, "mean"),
+                poptorch.identity_loss((out - y).abs(), "mean"))
+
+
+def test_several_identity_losses_are_an_error():
+    x, y = data(2)
+    with pytest.raises(poptorch.Error, match="2 independent losses"):
+        poptorch.trainingModel(TwoMarkedLosses())(x, y)
+
+
+def test_options_freeze_once_used():
+    opts = poptorch.Options()
+    poptorch.inferenceModel(Regression(), opts)
+    with pytest.raises(poptorch.Error, match="Can't modify frozen Options"):
+        opts.deviceIterations(2)
