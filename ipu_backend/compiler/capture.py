@@ -34,6 +34,11 @@ class _LogRecorder:
         self.calls: list[LogCall] = []
         self.tensors: list[torch.Tensor] = []
 
+    def reset(self):
+        """Forget earlier traces; in place, since export restores attributes a forward reassigns."""
+        self.calls.clear()
+        self.tensors.clear()
+
     def log(self, name, value, **kwargs):
         if isinstance(value, torch.Tensor):
             self.calls.append(LogCall(name, kwargs))
@@ -77,7 +82,7 @@ class StepCall(torch.nn.Module):
         self.recorder = _LogRecorder()
 
     def forward(self, *args):
-        self.recorder = _LogRecorder()
+        self.recorder.reset()
         with _recording_logs(self.module, self.recorder):
             result = getattr(self.module, self.method)(*args)
         return result, list(self.recorder.tensors)

@@ -32,9 +32,9 @@ _OUTPUT_MODES = {OutputMode.All: "all", OutputMode.Final: "final", OutputMode.Su
 class _Compiled:
     """One compiled call and what the host needs to use it."""
 
-    def __init__(self, call, program, layout, output_dtypes, rule=None):
+    def __init__(self, call, program, layout, output_dtypes, log_dtypes, rule=None):
         self.call, self.program, self.layout = call, program, layout
-        self.output_dtypes, self.rule = output_dtypes, rule
+        self.output_dtypes, self.log_dtypes, self.rule = output_dtypes, log_dtypes, rule
 
 
 def _signature(args) -> tuple:
@@ -49,10 +49,27 @@ def _output_nodes(program):
     return list(output.args[0][len(program.mutated_buffers):])
 
 
-def find_loss(program) -> int:
-    """Index, among the array outputs, of the loss: the output of ``identity_loss`` if the model
-    uses it, otherwise the only scalar float output (PopTorch's rule for returned losses)."""
+def _result_nodes(program) -> list:
+    """Array-valued result nodes, without the logged values a step method adds at the end."""
     nodes = [n for n in _output_nodes(program) if isinstance(n, torch.fx.Node)]
+    logged = sum(call.is_tensor for call in program.logs)
+    return nodes[:len(nodes) - logged] if logged else nodes
+
+
+def _step_result_loss(program, nodes):
+    """A Lightning step's loss: the returned tensor, or the ``"loss"`` entry of a returned dict."""
+    spec = program.output_spec.child(0)     # a step method's outputs are (result, logs)
+    leaves = list(_output_nodes(program))[:spec.num_leaves]
+    result = torch_pytree.tree_unflatten(leaves, spec)
+    loss = result.get("loss") if isinstance(result, dict) else result
+    return loss if isinstance(loss, torch.fx.Node) and loss in nodes else None
+
+
+def find_loss(program, step_method: bool = False) -> int:
+    """Index, among the array results, of the loss: the output of ``identity_loss`` if the model
+    uses it; for a step method, the returned tensor or its ``"loss"`` entry; otherwise the only
+    scalar float output (PopTorch's rule for returned losses)."""
+    nodes = _result_nodes(program)
     marked = [n for n in program.graph_module.graph.nodes if n.target is IDENTITY_LOSS]
     if len(marked) > 1:
         raise Error(f"the model has {len(marked)} independent losses (identity_loss at "
@@ -63,6 +80,12 @@ def find_loss(program) -> int:
             raise Error("the identity_loss result must be returned by the model's forward "
                         f"(it is computed at {program.source_locations.get(marked[0].name)})")
         return nodes.index(marked[0])
+    if step_method:
+        loss = _step_result_loss(program, nodes)
+        if loss is None:
+            raise Error("training_step must return the loss: a scalar tensor or a dict with a "
+                        "'loss' entry (manual optimization is not supported by this executor)")
+        return nodes.index(loss)
     scalars = [i for i, n in enumerate(nodes)
                if n.meta["val"].ndim == 0 and n.meta["val"].is_floating_point()]
     if len(scalars) == 1:
@@ -74,10 +97,25 @@ def find_loss(program) -> int:
                 "ambiguous: mark the loss with poptorch.identity_loss(loss, reduction='none')")
 
 
+def _forward_with_constants(program, args: tuple):
+    """The program as ``forward(params, buffers, tensor_leaves, key)``: non-tensor arguments
+    (baked into the compiled program, and part of its cache key) are put back in place."""
+    leaves, spec = torch_pytree.tree_flatten(args)
+    is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+
+    def forward(params, buffers, arrays, key):
+        arrays = iter(arrays)
+        merged = [next(arrays) if t else x for t, x in zip(is_tensor, leaves)]
+        return program.logged_fn(params, buffers, torch_pytree.tree_unflatten(merged, spec), key)
+
+    return forward
+
+
 class PoplarExecutor:
     """What ``trainingModel``/``inferenceModel`` return: call it like the model."""
 
-    def __init__(self, model: torch.nn.Module, options, training: bool, optimizer=None):
+    def __init__(self, model: torch.nn.Module, options, training: bool, optimizer=None,
+                 step_method: str | None = None):
         from ipu_backend.options import Options
         options = options if options is not None else Options()
         options._freeze()
@@ -88,6 +126,9 @@ class PoplarExecutor:
             raise Error("You must set poptorch.Options().Training.gradientAccumulation to 1 or leave "
                         "it as its default value (1) when running a poptorch.inferenceModel().")
         self._user_model = model
+        self._step_method = step_method
+        self.last_logs: dict = {}
+        """``self.log`` values of the last call (step methods), per the output mode."""
         if training and optimizer is None:
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         self._optimizer = optimizer
@@ -135,12 +176,13 @@ class PoplarExecutor:
             state = {"params": params, "buffers": buffers, "opt": self._optimizer_state(compiled.rule, params),
                      "scaler": self._scaler_state(compiled.rule, hyper)}
             state = jax.device_put(state, NamedSharding(mesh, P()))
-            state, arrays, _ = compiled.call(state, inputs, hyper, key)
+            state, arrays, logs = compiled.call(state, inputs, hyper, key)
             self._opt_state, self._scaler = state["opt"], state["scaler"]
         else:
             state = jax.device_put({"params": params, "buffers": buffers}, NamedSharding(mesh, P()))
-            state, arrays = compiled.call(state, inputs, key)
+            state, arrays, logs = compiled.call(state, inputs, key)
         self._store.update(state["params"], state["buffers"])
+        self.last_logs = {name: output_to_host(value, compiled.log_dtypes[name]) for name, value in logs.items()}
         outputs = [output_to_host(a, d) for a, d in zip(arrays, compiled.output_dtypes)]
         return compiled.layout.join(outputs)
 
@@ -256,19 +298,24 @@ class PoplarExecutor:
         model.train(self._training)
         self._store.sync_to_host()
         try:
-            program = compile_module(model, micro)
+            program = compile_module(model, micro, method=self._step_method)
         finally:
             model.train(was_training)
         layout = OutputLayout()
         mesh = replica_mesh(schedule.replicas)
+        forward = _forward_with_constants(program, micro)
         nodes = [n for n in _output_nodes(program) if isinstance(n, torch.fx.Node)]
-        dtypes = [n.meta["val"].dtype for n in nodes]
+        results = _result_nodes(program)
+        dtypes = [n.meta["val"].dtype for n in results]
+        log_names = [call.name for call in program.logs if call.is_tensor]
+        log_dtypes = {name: n.meta["val"].dtype for name, n in zip(log_names, nodes[len(results):])}
         if self._training:
             rule = optimizer_rule(self._optimizer, {id(p): n for n, p in
                                                     torch.nn.Module.named_parameters(model)})
-            call = training_call(program, find_loss(program), rule, schedule, mesh, layout)
-            return _Compiled(call, program, layout, dtypes, rule)
-        return _Compiled(inference_call(program, schedule, mesh, layout), program, layout, dtypes)
+            loss_index = find_loss(program, step_method=self._step_method is not None)
+            call = training_call(forward, loss_index, rule, schedule, mesh, layout)
+            return _Compiled(call, program, layout, dtypes, log_dtypes, rule)
+        return _Compiled(inference_call(forward, schedule, mesh, layout), program, layout, dtypes, log_dtypes)
 
     def _optimizer_state(self, rule, params):
         if self._opt_state is None:

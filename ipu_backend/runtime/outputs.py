@@ -11,18 +11,16 @@ from ipu_backend.compiler.dtypes import to_jax
 from ipu_backend.runtime.step import REPLICA, Schedule, split_batch
 
 
-def inputs_to_device(args: tuple, schedule: Schedule, mesh):
-    """Tensor leaves split to ``[D, A, R, m, ...]`` and sharded on the replica axis; others kept."""
+def inputs_to_device(args: tuple, schedule: Schedule, mesh) -> list:
+    """The tensor leaves of ``args``, split to ``[D, A, R, m, ...]`` and sharded on the replica axis."""
     sharding = NamedSharding(mesh, P(None, None, REPLICA))
 
     def place(x):
-        if not isinstance(x, torch.Tensor):
-            return x
         host = np.asarray(to_jax(x)) if x.dtype == torch.bfloat16 else \
             x.detach().cpu().numpy().astype(jax_dtype(x.dtype), copy=False)
         return jax.device_put(split_batch(host, schedule), sharding)
 
-    return torch.utils._pytree.tree_map(place, tuple(args))
+    return [place(x) for x in torch.utils._pytree.tree_leaves(tuple(args)) if isinstance(x, torch.Tensor)]
 
 
 def output_to_host(array, dtype: torch.dtype) -> torch.Tensor:

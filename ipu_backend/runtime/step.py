@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import torch.utils._pytree as torch_pytree
 from jax.sharding import PartitionSpec as P
 
-from ipu_backend.compiler import Program
 from ipu_backend.compiler.lowering_options import lowering_options
 
 REPLICA = "replica"
@@ -119,11 +118,12 @@ def _apply_if_finite(grads, scaler, new, old):
     return chosen, {"scale": scale, "good_steps": jnp.where(grow, 0, good)}
 
 
-def training_call(program: Program, loss_index: int, rule, schedule: Schedule, mesh,
+def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, mesh,
                   layout: OutputLayout) -> Callable:
     """``call(state, inputs, hyper, key) -> (state, outputs, logs)``, jitted over the mesh.
 
-    ``state`` is ``{"params", "buffers", "opt", "scaler"}`` (``scaler``: dynamic loss scaling,
+    ``forward(params, buffers, inputs, key) -> (outputs, new_buffers, logs)`` is one micro-batch
+    of the model (a Program's ``logged_fn``); ``state`` is ``{"params", "buffers", "opt", "scaler"}`` (``scaler``: dynamic loss scaling,
     see :func:`initial_scaler`, or None); ``inputs`` the positional arguments, each array
     split by :func:`split_batch`; outputs are ``[r, D', A', ...]`` per device, gathered on the replica
     axis, and selected by the output mode.
@@ -133,7 +133,7 @@ def training_call(program: Program, loss_index: int, rule, schedule: Schedule, m
 
     def micro_step(params, buffers, inputs, key, loss_scale):
         def scaled_loss(p):
-            outputs, new_buffers, logs = program.logged_fn(p, buffers, inputs, key)
+            outputs, new_buffers, logs = forward(p, buffers, inputs, key)
             arrays = layout.split(outputs)
             return arrays[loss_index] * loss_scale, (arrays, new_buffers, logs)
 
@@ -187,32 +187,32 @@ def training_call(program: Program, loss_index: int, rule, schedule: Schedule, m
     return jax.jit(sharded, donate_argnums=(0,))
 
 
-def inference_call(program: Program, schedule: Schedule, mesh, layout: OutputLayout) -> Callable:
-    """``call(state, inputs, key) -> (state, outputs)``: D iterations of the forward on R replicas."""
+def inference_call(forward: Callable, schedule: Schedule, mesh, layout: OutputLayout) -> Callable:
+    """``call(state, inputs, key) -> (state, outputs, logs)``: D iterations of the forward on R replicas."""
     local = schedule.replicas // mesh.size
 
     def device_program(state, inputs, key):
         params = state["params"]
 
-        def forward(buffers, micro_inputs, replica_key):
-            outputs, new_buffers, _ = program.logged_fn(params, buffers, micro_inputs, replica_key)
-            return layout.split(outputs), new_buffers
+        def replica_forward(buffers, micro_inputs, replica_key):
+            outputs, new_buffers, logs = forward(params, buffers, micro_inputs, replica_key)
+            return (layout.split(outputs), logs), new_buffers
 
         def iteration(buffers, xs):
             micro_inputs, key = xs                       # micro_inputs: [1, r, m, ...]
-            arrays, new_buffers = jax.vmap(forward, in_axes=(None, 0, 0))(
+            arrays, new_buffers = jax.vmap(replica_forward, in_axes=(None, 0, 0))(
                 buffers, jax.tree.map(lambda x: x[0], micro_inputs), _replica_keys(key, local))
             return _from_replica_zero(new_buffers, local), jax.tree.map(lambda y: y[None], arrays)
 
         keys = jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(schedule.device_iterations))
         with lowering_options(conv_algorithm="im2col" if schedule.device_iterations > 1 else "xla"):
             buffers, arrays = _loop(iteration, state["buffers"], (inputs, keys), schedule.device_iterations)
-        arrays = jax.tree.map(lambda y: jnp.moveaxis(y, 2, 0), _select_outputs(arrays, schedule))
-        return {"params": params, "buffers": buffers}, arrays
+        arrays, logs = jax.tree.map(lambda y: jnp.moveaxis(y, 2, 0), _select_outputs(arrays, schedule))
+        return {"params": params, "buffers": buffers}, arrays, logs
 
     sharded = jax.shard_map(
         device_program, mesh=mesh,
         in_specs=(P(), P(None, None, REPLICA), P()),
-        out_specs=(P(), P(REPLICA)),
+        out_specs=(P(), P(REPLICA), P(REPLICA)),
         check_vma=False)
     return jax.jit(sharded)
