@@ -1,0 +1,537 @@
+"""Optimizer updates as pure JAX functions, driven by a torch optimizer.
+
+``optimizer_rule(torch_optimizer, param_names)`` reads the algorithm and its structural options
+once (which parameters are in which group, nesterov, amsgrad, accumulator dtypes...). Inside the
+jitted training step the executor then runs::
+
+    state = rule.init(params)                               # name -> {slot: array}
+    hyper = rule.hyperparameters(torch_optimizer)           # lr, betas, ... as JAX scalars
+    new_params, new_state = rule.update(grads, state, params, hyper)
+
+Everything ``setOptimizer`` or an LR scheduler may change is in ``hyper``, a program input, so
+changing it never recompiles; a change to a structural option makes ``hyperparameters`` raise
+(``rule.matches(optimizer)`` tells beforehand whether a new rule is needed).
+
+PopTorch's loss scaling belongs to the executor: it multiplies the loss by
+``rule.loss_scale(hyper)`` and divides the gradients by it, so ``update`` takes the gradients
+of the unscaled loss. Updates are computed in float32 whatever the parameter dtype; state slots
+keep torch's names and live in the accumulator dtypes the optimizer asks for (float32 by
+default), the step count in int32.
+
+The updates are written out in torch's order of operations rather than with optax: optax forms
+``1 - decay`` from a float32 decay, which for decays near one (RMSprop's alpha = 0.999, Adam
+without bias correction) moves parameters by more than 1e-5 from torch's, whose scalars are
+float64. Hyper-parameters entering as ``1 - x`` are passed as complements computed on the host.
+"""
+
+import inspect
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from ipu_backend import optim
+from ipu_backend.errors import Error
+
+_OPTION_DEFAULTS = {
+    "loss_scaling": 1.0,
+    "velocity_scaling": 1.0,
+    "max_grad_norm": math.inf,
+    "use_combined_accum": False,
+    "bias_correction": True,
+    "use_tf_variant": False,
+    "accum_type": torch.float32,
+    "velocity_accum_type": torch.float32,
+    "first_order_momentum_accum_type": torch.float32,
+    "second_order_momentum_accum_type": torch.float32,
+}
+_STATE_DTYPES = {torch.float32: jnp.float32, torch.float16: jnp.float16}
+_CLIP_EPS = 1e-6
+"""Added to the global norm by ``torch.nn.utils.clip_grad_norm_``."""
+
+
+def _scalar(value) -> jax.Array:
+    return jnp.asarray(float(value), jnp.float32)
+
+
+def _optimizer_wide(optimizer: torch.optim.Optimizer, name: str):
+    """An option PopTorch keeps optimizer-wide, read from the param groups (where our optimizers
+    store it; torch's own have none and get PopTorch's default)."""
+    values = [group.get(name, _OPTION_DEFAULTS[name]) for group in optimizer.param_groups]
+    if any(v != values[0] for v in values):
+        raise Error(f"{name} must be the same in every param group (got {values}); set it on the "
+                    f"optimizer (optimizer.{name} = ...) rather than in one group")
+    return values[0]
+
+
+def _state_dtype(optimizer: torch.optim.Optimizer, name: str):
+    dtype = _optimizer_wide(optimizer, name)
+    if dtype not in _STATE_DTYPES:
+        raise Error(f"{name}={dtype} is not supported; use torch.float32 or torch.float16")
+    return _STATE_DTYPES[dtype]
+
+
+def _moment_dtypes(optimizer: torch.optim.Optimizer) -> dict:
+    """PopTorch's first- and second-order accumulator dtypes (of exp_avg and exp_avg_sq...)."""
+    return {name: _state_dtype(optimizer, name)
+            for name in ("first_order_momentum_accum_type", "second_order_momentum_accum_type")}
+
+
+def _torch_scalar_dtype() -> torch.dtype:
+    """The dtype torch gives ``state['step']``."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _to_numpy_float32(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().to("cpu", torch.float32).numpy()
+
+
+def _global_norm_clip(grads: dict, max_norm) -> dict:
+    """``torch.nn.utils.clip_grad_norm_`` over every parameter the optimizer updates."""
+    total = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in grads.values()))
+    coefficient = jnp.minimum(max_norm / (total + _CLIP_EPS), 1.0)
+    return {name: g * coefficient for name, g in grads.items()}
+
+
+def _l2_norm(x):
+    return jnp.sqrt(jnp.sum(jnp.square(x)))
+
+
+class OptimizerRule:
+    """One optimizer's update rule; see the module docstring for the protocol.
+
+    ``param_names`` maps ``id(parameter) -> name`` (``{id(p): n for n, p in
+    module.named_parameters()}``): the optimizer's groups are resolved to names once, here.
+    Parameters the optimizer does not hold pass through ``update`` unchanged.
+    """
+
+    algorithm = ""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, param_names: Mapping[int, str]):
+        self.groups = self._group_names(optimizer, param_names)
+        self.names = tuple(name for names in self.groups for name in names)
+        self._param_ids = self._ids(optimizer)
+        self._options, self._group_options = self._static(optimizer)
+        self.accum_dtype = _state_dtype(optimizer, "accum_type")
+        """dtype for accumulating gradients over micro-batches (PopTorch's ``accum_type``)."""
+        self._hyper_values(optimizer)  # reading them validates them, before anything is traced
+
+    # --- the protocol ---------------------------------------------------------------------------
+    def init(self, params: Mapping[str, jax.Array]) -> dict:
+        """Fresh state (torch's before its first step) for the optimizer's parameters."""
+        self._require(params, "params")
+        state = {}
+        for options, names in zip(self._group_options, self.groups):
+            for name in names:
+                slots = {"step": jnp.zeros((), jnp.int32)}
+                for slot, (dtype, initial) in self._slots(options).items():
+                    slots[slot] = jnp.full(jnp.shape(params[name]), initial, dtype)
+                state[name] = slots
+        return state
+
+    def hyperparameters(self, optimizer: torch.optim.Optimizer) -> dict:
+        """Every value the update reads from ``optimizer`` that may change between steps."""
+        changes = self._changes(optimizer)
+        if changes:
+            raise Error(f"the {self.algorithm} optimizer changed in a way the compiled step cannot "
+                        f"follow ({'; '.join(changes)}); a new optimizer rule (recompilation) is "
+                        "needed")
+        return jax.tree.map(_scalar, self._hyper_values(optimizer))
+
+    def loss_scale(self, hyper: dict) -> jax.Array:
+        """PopTorch's ``loss_scaling``: the loss is multiplied by it before the backward pass and
+        the gradients divided by it before ``update``."""
+        return hyper["loss_scaling"]
+
+    def matches(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether this rule (and a program compiled with it) can run ``optimizer``."""
+        return not self._changes(optimizer)
+
+    def update(self, grads: Mapping, state: Mapping, params: Mapping, hyper: dict) -> tuple[dict, dict]:
+        """One optimizer step: ``(new_params, new_state)``. ``grads`` are those of the unscaled
+        loss; ``params`` and ``new_params`` may hold parameters outside the optimizer."""
+        self._require(grads, "grads")
+        grads = {name: grads[name].astype(jnp.float32) for name in self.names}
+        if self._options["clip_grad_norm"]:
+            grads = _global_norm_clip(grads, hyper["max_grad_norm"])
+        new_params, new_state = dict(params), {}
+        for options, names, group_hyper in zip(self._group_options, self.groups, hyper["groups"]):
+            for name in names:
+                slots = state[name]
+                step = slots["step"] + 1
+                moments = {slot: value.astype(jnp.float32) for slot, value in slots.items()
+                           if slot != "step"}
+                param, moments = self._step(params[name].astype(jnp.float32), grads[name], moments,
+                                            step, group_hyper, options)
+                new_params[name] = param.astype(params[name].dtype)
+                new_state[name] = {"step": step, **{slot: value.astype(slots[slot].dtype)
+                                                    for slot, value in moments.items()}}
+        return new_params, new_state
+
+    def state_to_torch(self, state: Mapping, optimizer: torch.optim.Optimizer) -> None:
+        """Write ``state`` into ``optimizer.state`` as torch's own step would have left it."""
+        self._require_same(optimizer)
+        for options, names, group in zip(self._group_options, self.groups, optimizer.param_groups):
+            for name, param in zip(names, group["params"]):
+                slots = {slot: np.asarray(value) for slot, value in state[name].items()}
+                torch_state = self._to_torch(slots, group, options)
+                if torch_state:
+                    optimizer.state[param] = torch_state
+                else:
+                    optimizer.state.pop(param, None)
+
+    def state_from_torch(self, optimizer: torch.optim.Optimizer, params: Mapping[str, jax.Array]
+                         ) -> dict:
+        """The state held in ``optimizer.state`` (e.g. after ``load_state_dict``); parameters
+        without torch state start fresh."""
+        self._require_same(optimizer)
+        state = self.init(params)
+        for options, names, group in zip(self._group_options, self.groups, optimizer.param_groups):
+            for name, param in zip(names, group["params"]):
+                torch_state = optimizer.state.get(param)
+                if torch_state:
+                    state[name] = self._from_torch(torch_state, state[name], group, options, name)
+        return state
+
+    # --- per algorithm ----------------------------------------------------------------------
+    def _read_options(self, optimizer) -> dict:
+        """Structural optimizer-wide options (beyond gradient clipping)."""
+        return {}
+
+    def _read_group_options(self, group: dict) -> dict:
+        """Structural per-group options."""
+        return {}
+
+    def _group_hyper(self, group: dict) -> dict:
+        """The group's values that may change between steps."""
+        raise NotImplementedError
+
+    def _slots(self, options: dict) -> dict:
+        """``slot -> (dtype, initial value)`` of one parameter of a group, in torch's order."""
+        raise NotImplementedError
+
+    def _step(self, param, grad, moments, step, hyper, options):
+        """float32 ``(new_param, new_moments)``; ``step`` counts this update from 1."""
+        raise NotImplementedError
+
+    def _to_torch(self, slots: dict, group: dict, options: dict) -> dict:
+        """Torch's state for one parameter, slots in torch's order (pytrees sort dict keys);
+        empty before the first step."""
+        if int(slots["step"]) == 0:
+            return {}
+        torch_state = {"step": torch.tensor(float(slots["step"]), dtype=_torch_scalar_dtype())}
+        torch_state.update((slot, torch.from_numpy(np.array(slots[slot])))
+                           for slot in self._slots(options))
+        return torch_state
+
+    def _from_torch(self, torch_state: dict, fresh: dict, group: dict, options: dict, name: str
+                    ) -> dict:
+        slots = {"step": jnp.asarray(int(torch_state["step"]), jnp.int32)}
+        for slot, initial in fresh.items():
+            if slot != "step":
+                slots[slot] = self._slot_from_torch(torch_state.get(slot), initial, name, slot)
+        return slots
+
+    # --- helpers ----------------------------------------------------------------------------
+    def _hyper_values(self, optimizer) -> dict:
+        """``hyperparameters`` as Python numbers."""
+        return {
+            "loss_scaling": _optimizer_wide(optimizer, "loss_scaling"),
+            "max_grad_norm": _optimizer_wide(optimizer, "max_grad_norm"),
+            "groups": tuple(self._group_hyper(group) for group in optimizer.param_groups),
+        }
+
+    @staticmethod
+    def _slot_from_torch(tensor, initial, name: str, slot: str):
+        if tensor is None:
+            return initial
+        if tuple(tensor.shape) != initial.shape:
+            raise Error(f"optimizer state {slot!r} of {name} has shape {tuple(tensor.shape)}, but the "
+                        f"parameter has shape {initial.shape}")
+        return jnp.asarray(_to_numpy_float32(tensor), initial.dtype)
+
+    @staticmethod
+    def _group_names(optimizer, param_names: Mapping[int, str]) -> tuple:
+        groups = []
+        for index, group in enumerate(optimizer.param_groups):
+            names = []
+            for param in group["params"]:
+                if id(param) not in param_names:
+                    raise Error(f"param group {index} of the optimizer holds a tensor of shape "
+                                f"{tuple(param.shape)} that is not a parameter of the model")
+                if param.is_complex():
+                    raise Error(f"complex parameters are not supported ({param_names[id(param)]})")
+                names.append(param_names[id(param)])
+            groups.append(tuple(names))
+        return tuple(groups)
+
+    @staticmethod
+    def _ids(optimizer) -> tuple:
+        return tuple(tuple(id(p) for p in group["params"]) for group in optimizer.param_groups)
+
+    def _static(self, optimizer) -> tuple[dict, tuple]:
+        options = {"clip_grad_norm": math.isfinite(_optimizer_wide(optimizer, "max_grad_norm")),
+                   "accum_type": _optimizer_wide(optimizer, "accum_type"),
+                   **self._read_options(optimizer)}
+        return options, tuple(self._read_group_options(group) for group in optimizer.param_groups)
+
+    def _changes(self, optimizer) -> list[str]:
+        """How ``optimizer`` differs structurally from the one this rule was built for."""
+        if self._ids(optimizer) != self._param_ids:
+            return ["its param groups hold other parameters"]
+        options, group_options = self._static(optimizer)
+        changes = [f"{key}: {self._options[key]} -> {value}" for key, value in options.items()
+                   if self._options[key] != value]
+        for index, (old, new) in enumerate(zip(self._group_options, group_options)):
+            changes += [f"param group {index} {key}: {old[key]} -> {value}"
+                        for key, value in new.items() if old[key] != value]
+        return changes
+
+    def _require(self, arrays: Mapping, what: str) -> None:
+        missing = [name for name in self.names if name not in arrays]
+        if missing:
+            raise Error(f"{what} lacks the optimizer's parameters {missing}")
+
+    def _require_same(self, optimizer) -> None:
+        if self._ids(optimizer) != self._param_ids:
+            raise Error(f"this {self.algorithm} rule was built for another optimizer's param groups")
+
+
+def _bias_correction(one_minus_beta, step):
+    """``1 - beta**step`` without float32 cancellation (torch computes it in float64)."""
+    return -jnp.expm1(step.astype(jnp.float32) * jnp.log1p(-one_minus_beta))
+
+
+def _adam_direction(grad, moments, step, hyper, *, bias_correction: bool, amsgrad: bool):
+    """Adam's ``m̂ / (sqrt(v̂) + eps)`` and the new moments, in torch's order of operations;
+    AMSGrad keeps the maximum of the raw second moment, PopTorch's no-bias variant uses m, v."""
+    exp_avg = moments["exp_avg"] + hyper["one_minus_beta1"] * (grad - moments["exp_avg"])
+    exp_avg_sq = moments["exp_avg_sq"] * hyper["beta2"] + hyper["one_minus_beta2"] * grad * grad
+    new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    second = exp_avg_sq
+    if amsgrad:
+        second = new["max_exp_avg_sq"] = jnp.maximum(moments["max_exp_avg_sq"], exp_avg_sq)
+    if not bias_correction:
+        return exp_avg / (jnp.sqrt(second) + hyper["eps"]), new
+    bias1 = _bias_correction(hyper["one_minus_beta1"], step)
+    bias2 = _bias_correction(hyper["one_minus_beta2"], step)
+    return (exp_avg / bias1) / (jnp.sqrt(second) / jnp.sqrt(bias2) + hyper["eps"]), new
+
+
+def _betas(group) -> dict:
+    """Adam's betas and, computed in float64 here, their complements: ``1 - beta`` in float32
+    loses up to 1e-5 of itself for beta = 0.999, which torch (float64 scalars) does not."""
+    beta1, beta2 = (float(beta) for beta in group["betas"])
+    return {"beta1": beta1, "beta2": beta2, "one_minus_beta1": 1 - beta1, "one_minus_beta2": 1 - beta2}
+
+
+class _SGDRule(OptimizerRule):
+    """torch's SGD (first step: the buffer is the gradient, undampened) with PopTorch's combined
+    variant, whose buffer holds ``velocity_scaling`` × the velocity and whose learning rate is
+    divided by it (so lowering the scaling mid-run over-estimates the velocity for a while)."""
+
+    algorithm = "SGD"
+
+    def _read_options(self, optimizer):
+        return {"use_combined_accum": _optimizer_wide(optimizer, "use_combined_accum"),
+                "velocity_accum_type": _state_dtype(optimizer, "velocity_accum_type")}
+
+    def _read_group_options(self, group):
+        return {"momentum": group["momentum"] != 0, "nesterov": bool(group["nesterov"]),
+                "maximize": bool(group.get("maximize", False))}
+
+    def _group_hyper(self, group):
+        return {"lr": group["lr"], "momentum": group["momentum"],
+                "one_minus_dampening": 1 - float(group["dampening"]),
+                "weight_decay": group["weight_decay"],
+                "velocity_scaling": group.get("velocity_scaling", _OPTION_DEFAULTS["velocity_scaling"])}
+
+    def _slots(self, options):
+        if not options["momentum"]:
+            return {}
+        return {"momentum_buffer": (self._options["velocity_accum_type"], 0.0)}
+
+    def _step(self, param, grad, moments, step, hyper, options):
+        if options["maximize"]:
+            grad = -grad
+        grad = grad + hyper["weight_decay"] * param
+        if not options["momentum"]:
+            return param - hyper["lr"] * grad, {}
+        lr = hyper["lr"]
+        if self._options["use_combined_accum"]:
+            grad = hyper["velocity_scaling"] * grad
+            lr = lr / hyper["velocity_scaling"]
+        later = hyper["momentum"] * moments["momentum_buffer"] + hyper["one_minus_dampening"] * grad
+        buffer = jnp.where(step == 1, grad, later)
+        direction = grad + hyper["momentum"] * buffer if options["nesterov"] else buffer
+        return param - lr * direction, {"momentum_buffer": buffer}
+
+    def _velocity_scale(self, group) -> float:
+        if not self._options["use_combined_accum"]:
+            return 1.0
+        return group.get("velocity_scaling", _OPTION_DEFAULTS["velocity_scaling"])
+
+    def _to_torch(self, slots, group, options):
+        """torch keeps only the (unscaled) buffer, once a step has made one."""
+        if not options["momentum"] or int(slots["step"]) == 0:
+            return {}
+        scaled = slots["momentum_buffer"]
+        buffer = np.array(scaled.astype(np.float32) / self._velocity_scale(group), scaled.dtype)
+        return {"momentum_buffer": torch.from_numpy(buffer)}
+
+    def _from_torch(self, torch_state, fresh, group, options, name):
+        buffer = torch_state.get("momentum_buffer")
+        if not options["momentum"] or buffer is None:
+            return fresh
+        buffer = self._slot_from_torch(buffer, fresh["momentum_buffer"], name, "momentum_buffer")
+        scaled = buffer.astype(jnp.float32) * self._velocity_scale(group)
+        return {"step": jnp.asarray(1, jnp.int32), "momentum_buffer": scaled.astype(buffer.dtype)}
+
+
+class _AdamRule(OptimizerRule):
+    """torch's Adam and AdamW (``decoupled_weight_decay``), AMSGrad and maximize included, and
+    PopTorch's AdamW without bias correction."""
+
+    algorithm = "Adam"
+
+    def _read_options(self, optimizer):
+        return {"bias_correction": _optimizer_wide(optimizer, "bias_correction"),
+                **_moment_dtypes(optimizer)}
+
+    def _read_group_options(self, group):
+        return {"amsgrad": bool(group["amsgrad"]), "maximize": bool(group.get("maximize", False)),
+                "decoupled_weight_decay": bool(group.get("decoupled_weight_decay", False))}
+
+    def _group_hyper(self, group):
+        return {"lr": group["lr"], **_betas(group), "eps": group["eps"],
+                "weight_decay": group["weight_decay"]}
+
+    def _slots(self, options):
+        first = self._options["first_order_momentum_accum_type"]
+        second = self._options["second_order_momentum_accum_type"]
+        slots = {"exp_avg": (first, 0.0), "exp_avg_sq": (second, 0.0)}
+        if options["amsgrad"]:
+            slots["max_exp_avg_sq"] = (second, 0.0)
+        return slots
+
+    def _step(self, param, grad, moments, step, hyper, options):
+        if options["maximize"]:
+            grad = -grad
+        if not options["decoupled_weight_decay"]:
+            grad = grad + hyper["weight_decay"] * param
+        direction, moments = _adam_direction(grad, moments, step, hyper, amsgrad=options["amsgrad"],
+                                             bias_correction=self._options["bias_correction"])
+        if options["decoupled_weight_decay"]:
+            param = param * (1 - hyper["lr"] * hyper["weight_decay"])
+        return param - hyper["lr"] * direction, moments
+
+
+class _RMSpropRule(OptimizerRule):
+    """torch's RMSprop (centered, momentum, maximize) and PopTorch's TensorFlow variant: mean
+    square starting at one, ``eps`` inside the square root, ``lr`` folded into the momentum
+    buffer."""
+
+    algorithm = "RMSprop"
+
+    def _read_options(self, optimizer):
+        return {"use_tf_variant": _optimizer_wide(optimizer, "use_tf_variant"),
+                **_moment_dtypes(optimizer)}
+
+    def _read_group_options(self, group):
+        return {"momentum": group["momentum"] > 0, "centered": bool(group["centered"]),
+                "maximize": bool(group.get("maximize", False))}
+
+    def _group_hyper(self, group):
+        return {"lr": group["lr"], "alpha": group["alpha"],
+                "one_minus_alpha": 1 - float(group["alpha"]), "eps": group["eps"],
+                "weight_decay": group["weight_decay"], "momentum": group["momentum"]}
+
+    def _slots(self, options):
+        first = self._options["first_order_momentum_accum_type"]
+        second = self._options["second_order_momentum_accum_type"]
+        slots = {"square_avg": (second, 1.0 if self._options["use_tf_variant"] else 0.0)}
+        if options["momentum"]:
+            slots["momentum_buffer"] = (first, 0.0)
+        if options["centered"]:
+            slots["grad_avg"] = (first, 0.0)
+        return slots
+
+    def _step(self, param, grad, moments, step, hyper, options):
+        if options["maximize"]:
+            grad = -grad
+        grad = grad + hyper["weight_decay"] * param
+        square_avg = moments["square_avg"] * hyper["alpha"] + hyper["one_minus_alpha"] * grad * grad
+        new = {"square_avg": square_avg}
+        variance = square_avg
+        if options["centered"]:
+            grad_avg = moments["grad_avg"] + hyper["one_minus_alpha"] * (grad - moments["grad_avg"])
+            new["grad_avg"] = grad_avg
+            variance = square_avg - grad_avg * grad_avg
+        if self._options["use_tf_variant"]:
+            direction = grad / jnp.sqrt(variance + hyper["eps"])
+        else:
+            direction = grad / (jnp.sqrt(variance) + hyper["eps"])
+        if not options["momentum"]:
+            return param - hyper["lr"] * direction, new
+        if self._options["use_tf_variant"]:
+            buffer = moments["momentum_buffer"] * hyper["momentum"] + hyper["lr"] * direction
+            new["momentum_buffer"] = buffer
+            return param - buffer, new
+        buffer = new["momentum_buffer"] = moments["momentum_buffer"] * hyper["momentum"] + direction
+        return param - hyper["lr"] * buffer, new
+
+
+class _LAMBRule(OptimizerRule):
+    """PopTorch's LAMB (see ``ipu_backend.optim.LAMB``): Adam's direction plus decoupled weight
+    decay, scaled per tensor by the trust ratio ``min(|w|, max_weight_norm) / |update|``."""
+
+    algorithm = "LAMB"
+
+    def _read_options(self, optimizer):
+        return {"bias_correction": _optimizer_wide(optimizer, "bias_correction"),
+                **_moment_dtypes(optimizer)}
+
+    def _group_hyper(self, group):
+        return {"lr": group["lr"], **_betas(group), "eps": group["eps"],
+                "weight_decay": group["weight_decay"], "max_weight_norm": group["max_weight_norm"]}
+
+    def _slots(self, options):
+        return {"exp_avg": (self._options["first_order_momentum_accum_type"], 0.0),
+                "exp_avg_sq": (self._options["second_order_momentum_accum_type"], 0.0)}
+
+    def _step(self, param, grad, moments, step, hyper, options):
+        direction, moments = _adam_direction(grad, moments, step, hyper, amsgrad=False,
+                                             bias_correction=self._options["bias_correction"])
+        update = direction + hyper["weight_decay"] * param
+        weight_norm = jnp.minimum(_l2_norm(param), hyper["max_weight_norm"])
+        update_norm = _l2_norm(update)
+        trust = jnp.where((weight_norm > 0) & (update_norm > 0), weight_norm / update_norm, 1.0)
+        return param - (hyper["lr"] * trust) * update, moments
+
+
+# Most derived first: our classes before torch's, torch's AdamW (an Adam) before Adam.
+_RULES = (
+    (optim.LAMB, _LAMBRule),
+    (optim.SGD, _SGDRule), (optim.AdamW, _AdamRule), (optim.Adam, _AdamRule),
+    (optim.RMSprop, _RMSpropRule),
+    (torch.optim.SGD, _SGDRule), (torch.optim.AdamW, _AdamRule), (torch.optim.Adam, _AdamRule),
+    (torch.optim.RMSprop, _RMSpropRule),
+)
+
+
+def optimizer_rule(optimizer: torch.optim.Optimizer, param_names: Mapping[int, str]) -> OptimizerRule:
+    """The update rule of ``optimizer`` (torch's SGD, Adam, AdamW, RMSprop or ours, LAMB too),
+    ``param_names`` mapping ``id(parameter) -> name``."""
+    for base, rule in _RULES:
+        if isinstance(optimizer, base):
+            if inspect.unwrap(type(optimizer).step) is not inspect.unwrap(base.step):
+                raise Error(f"{type(optimizer).__qualname__} overrides step() of {base.__module__}."
+                            f"{base.__qualname__}: a custom update cannot be compiled; use the "
+                            "optimizer it derives from")
+            return rule(optimizer, param_names)
+    raise Error(f"optimizer {type(optimizer).__module__}.{type(optimizer).__qualname__} is not "
+                "supported; use SGD, Adam, AdamW or RMSprop (torch.optim or poptorch.optim) or "
+                "poptorch.optim.LAMB")
