@@ -1,8 +1,355 @@
-"""Lowerings: reductions."""
+"""Lowerings: reductions, scans, vector norms and the softmax family.
 
+Half-precision inputs are accumulated in float32 and rounded once at the end, as torch's CPU
+kernels do (a float16 sum of 4000 ones is 4000, not 2048).
+"""
+
+import math
+
+import jax
 import jax.numpy as jnp
 import torch
 
+from ipu_backend.compiler.dtypes import jax_dtype
 from ipu_backend.compiler.registry import lowering
 
 aten = torch.ops.aten
+
+_HALF = (jnp.float16, jnp.bfloat16)
+
+
+def _axes(dim, ndim: int) -> tuple:
+    """torch's ``dim`` argument as sorted non-negative axes; None or ``[]`` mean every axis.
+
+    A 0-d tensor accepts dim 0 or -1 and reduces over nothing."""
+    if ndim == 0:
+        return ()
+    if dim is None:
+        dims = range(ndim)
+    elif isinstance(dim, int):
+        dims = (dim,)
+    else:
+        dims = dim or range(ndim)
+    return tuple(sorted({d % ndim for d in dims}))
+
+
+def _widen(x):
+    """float16/bfloat16 carried as float32 while accumulating."""
+    return x.astype(jnp.float32) if x.dtype in _HALF else x
+
+
+def _accumulate_as(x, out_dtype):
+    """``x`` as torch feeds a reduction whose output dtype is ``out_dtype``: each element cast to
+    that dtype first (``sum(x, dtype=int32)`` truncates every element), then widened."""
+    return _widen(x.astype(out_dtype))
+
+
+def _out_dtype(ctx, index: int | None = None):
+    meta = ctx.out if index is None else ctx.out[index]
+    return jax_dtype(meta.dtype)
+
+
+@lowering(aten.sum.dim_IntList)
+def sum_(ctx, x, dim=None, keepdim=False, *, dtype=None):
+    out = _out_dtype(ctx)
+    return jnp.sum(_accumulate_as(x, out), axis=_axes(dim, x.ndim), keepdims=keepdim).astype(out)
+
+
+@lowering(aten.mean.default, aten.mean.dim)
+def mean(ctx, x, dim=None, keepdim=False, *, dtype=None):
+    out = _out_dtype(ctx)
+    return jnp.mean(_accumulate_as(x, out), axis=_axes(dim, x.ndim), keepdims=keepdim).astype(out)
+
+
+@lowering(aten.prod.default, aten.prod.dim_int)
+def prod(ctx, x, dim=None, keepdim=False, *, dtype=None):
+    out = _out_dtype(ctx)
+    return jnp.prod(_accumulate_as(x, out), axis=_axes(dim, x.ndim), keepdims=keepdim).astype(out)
+
+
+@lowering(aten.amax.default)
+def amax(ctx, x, dim=(), keepdim=False):
+    """JAX's gradient of max already splits evenly among ties, as torch's amax backward does."""
+    return jnp.max(x, axis=_axes(dim, x.ndim), keepdims=keepdim)
+
+
+@lowering(aten.amin.default)
+def amin(ctx, x, dim=(), keepdim=False):
+    return jnp.min(x, axis=_axes(dim, x.ndim), keepdims=keepdim)
+
+
+def _evenly_distributed(choose):
+    """A full reduction whose gradient torch spreads evenly over the elements equal to its result,
+    a NaN result counting every NaN as equal (torch's ``evenly_distribute_backward``)."""
+
+    @jax.custom_jvp
+    def reduce(x):
+        return choose(x)
+
+    @reduce.defjvp
+    def reduce_jvp(primals, tangents):
+        (x,), (tangent,) = primals, tangents
+        result = choose(x)
+        chosen = (x == result) | (jnp.isnan(x) & jnp.isnan(result))
+        share = jnp.sum(jnp.where(chosen, tangent, 0)) / jnp.sum(chosen).astype(tangent.dtype)
+        return result, share
+
+    return reduce
+
+
+@lowering(aten.max.default)
+def max_(ctx, x):
+    return _evenly_distributed(jnp.max)(x)
+
+
+@lowering(aten.min.default)
+def min_(ctx, x):
+    return _evenly_distributed(jnp.min)(x)
+
+
+def _select_along(x, indices, axis, keepdim):
+    """``(x at indices, indices)`` along ``axis``; the gradient reaches only the selected element."""
+    values = jnp.take_along_axis(x, indices, axis)
+    if not keepdim:
+        values, indices = jnp.squeeze(values, axis), jnp.squeeze(indices, axis)
+    return values, indices
+
+
+def _value_and_index(x, dim, keepdim, arg_fn):
+    if x.ndim == 0:
+        return x, jnp.zeros((), jnp.int32)
+    axis = dim % x.ndim
+    return _select_along(x, arg_fn(x, axis=axis, keepdims=True), axis, keepdim)
+
+
+@lowering(aten.max.dim)
+def max_dim(ctx, x, dim, keepdim=False):
+    """The first index of the maximum (of the first NaN, if any), like torch on the CPU."""
+    return _value_and_index(x, dim, keepdim, jnp.argmax)
+
+
+@lowering(aten.min.dim)
+def min_dim(ctx, x, dim, keepdim=False):
+    return _value_and_index(x, dim, keepdim, jnp.argmin)
+
+
+def _arg_reduce(ctx, x, dim, keepdim, arg_fn):
+    if dim is None or x.ndim == 0:
+        return jnp.reshape(arg_fn(jnp.ravel(x)), ctx.out.shape)
+    return arg_fn(x, axis=dim % x.ndim, keepdims=keepdim)
+
+
+@lowering(aten.argmax.default)
+def argmax(ctx, x, dim=None, keepdim=False):
+    return _arg_reduce(ctx, x, dim, keepdim, jnp.argmax)
+
+
+@lowering(aten.argmin.default)
+def argmin(ctx, x, dim=None, keepdim=False):
+    return _arg_reduce(ctx, x, dim, keepdim, jnp.argmin)
+
+
+def _var_and_mean(x, dim, correction, keepdim):
+    """Two-pass variance divided by ``max(n - correction, 0)`` (so inf or NaN when that is 0)."""
+    axes = _axes(dim, x.ndim)
+    wide = _widen(x)
+    mean_kept = jnp.mean(wide, axis=axes, keepdims=True)
+    count = math.prod(x.shape[a] for a in axes)
+    dof = max(count - (1 if correction is None else correction), 0)
+    var = jnp.sum(jnp.square(wide - mean_kept), axis=axes, keepdims=keepdim) / dof
+    mean_out = mean_kept if keepdim else jnp.squeeze(mean_kept, axes)
+    return var.astype(x.dtype), mean_out.astype(x.dtype)
+
+
+@lowering(aten.var.correction)
+def var(ctx, x, dim=None, *, correction=None, keepdim=False):
+    return _var_and_mean(x, dim, correction, keepdim)[0]
+
+
+@lowering(aten.var_mean.correction)
+def var_mean(ctx, x, dim=None, *, correction=None, keepdim=False):
+    return _var_and_mean(x, dim, correction, keepdim)
+
+
+@lowering(aten.any.default, aten.any.dim, aten.any.dims)
+def any_(ctx, x, dim=None, keepdim=False):
+    return jnp.any(x != 0, axis=_axes(dim, x.ndim), keepdims=keepdim)
+
+
+def _scan(x, dim, scan_fn):
+    return x if x.ndim == 0 else scan_fn(x, axis=dim % x.ndim)
+
+
+@lowering(aten.cumsum.default)
+def cumsum(ctx, x, dim, *, dtype=None):
+    out = _out_dtype(ctx)
+    return _scan(_accumulate_as(x, out), dim, jnp.cumsum).astype(out)
+
+
+@lowering(aten.cumprod.default)
+def cumprod(ctx, x, dim, *, dtype=None):
+    out = _out_dtype(ctx)
+    return _scan(_accumulate_as(x, out), dim, jnp.cumprod).astype(out)
+
+
+@lowering(aten.logcumsumexp.default)
+def logcumsumexp(ctx, x, dim):
+    return _scan(_widen(x), dim, jax.lax.cumlogsumexp).astype(x.dtype)
+
+
+def _running_choice(x, dim, later_wins):
+    """torch's cummax/cummin: ``(values, indices)`` where a later element replaces the running
+    choice when it is NaN or ``later_wins(later, running)`` (>= or <=, so the last tie's index)."""
+    if x.ndim == 0:
+        return x, jnp.zeros((), jnp.int32)
+    axis = dim % x.ndim
+
+    def combine(earlier, later):
+        (value_a, index_a), (value_b, index_b) = earlier, later
+        take_b = jnp.isnan(value_b) | later_wins(value_b, value_a)
+        return jnp.where(take_b, value_b, value_a), jnp.where(take_b, index_b, index_a)
+
+    positions = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+    _, indices = jax.lax.associative_scan(combine, (jax.lax.stop_gradient(x), positions), axis=axis)
+    return jnp.take_along_axis(x, indices, axis), indices
+
+
+@lowering(aten.cummax.default)
+def cummax(ctx, x, dim):
+    return _running_choice(x, dim, jnp.greater_equal)
+
+
+@lowering(aten.cummin.default)
+def cummin(ctx, x, dim):
+    return _running_choice(x, dim, jnp.less_equal)
+
+
+def _median_index(x, axis, ignore_nan):
+    """Index along ``axis`` (kept) of torch's median: the lower middle of a stable sort, or the
+    first NaN when NaNs propagate; with ``ignore_nan``, the lower middle of the non-NaN values.
+
+    The sort keys are (is NaN, value) with -0.0 folded into 0.0, because XLA's total order would
+    otherwise split NaNs by sign and put -0.0 before 0.0 where torch sees ties."""
+    nan = jnp.isnan(x)
+    value = jnp.where(nan | (x == 0), jnp.zeros_like(x), x)
+    positions = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+    _, _, order = jax.lax.sort((nan.astype(jnp.int32), value, positions), dimension=axis,
+                               is_stable=True, num_keys=2)
+    if ignore_nan:
+        count = jnp.sum(~nan, axis=axis, keepdims=True)
+        return jnp.take_along_axis(order, jnp.maximum(count - 1, 0) // 2, axis)
+    size = x.shape[axis]
+    middle = jax.lax.slice_in_dim(order, (size - 1) // 2, (size + 1) // 2, axis=axis)
+    first_nan = jnp.argmax(nan, axis=axis, keepdims=True)
+    return jnp.where(jnp.any(nan, axis=axis, keepdims=True), first_nan, middle)
+
+
+def _median_value(x, ignore_nan):
+    flat = jnp.ravel(x)
+    return flat[_median_index(flat, 0, ignore_nan)[0]]
+
+
+@lowering(aten.median.default)
+def median(ctx, x):
+    return _evenly_distributed(lambda v: _median_value(v, ignore_nan=False))(x)
+
+
+@lowering(aten.nanmedian.default)
+def nanmedian(ctx, x):
+    return _evenly_distributed(lambda v: _median_value(v, ignore_nan=True))(x)
+
+
+def _median_along(x, dim, keepdim, ignore_nan):
+    if x.ndim == 0:
+        return x, jnp.zeros((), jnp.int32)
+    axis = dim % x.ndim
+    indices = _median_index(jax.lax.stop_gradient(x), axis, ignore_nan)
+    return _select_along(x, indices, axis, keepdim)
+
+
+@lowering(aten.median.dim)
+def median_dim(ctx, x, dim, keepdim=False):
+    return _median_along(x, dim, keepdim, ignore_nan=False)
+
+
+@lowering(aten.nanmedian.dim)
+def nanmedian_dim(ctx, x, dim, keepdim=False):
+    return _median_along(x, dim, keepdim, ignore_nan=True)
+
+
+def _norm(x, ord, axes):
+    """The p-norm over ``axes`` (kept)."""
+    size = jnp.abs(x)
+    if ord == math.inf:
+        return jnp.max(size, axis=axes, keepdims=True)
+    if ord == -math.inf:
+        return jnp.min(size, axis=axes, keepdims=True)
+    if ord == 0:
+        return jnp.sum(x != 0, axis=axes, keepdims=True).astype(x.dtype)
+    if ord == 1:
+        return jnp.sum(size, axis=axes, keepdims=True)
+    if ord == 2:
+        return jnp.sqrt(jnp.sum(jnp.square(size), axis=axes, keepdims=True))
+    return jnp.sum(size ** ord, axis=axes, keepdims=True) ** (1 / ord)
+
+
+def _norm_slope(x, norm, ord, axes):
+    """d norm / d x as torch's ``norm_backward`` defines it, subgradients at 0 and ties included."""
+    size = jnp.abs(x)
+    if ord == 0:
+        return jnp.zeros_like(x)
+    if ord == 1:
+        return jnp.sign(x)
+    if ord == 2:
+        return jnp.where(norm == 0, 0, x / norm)
+    if math.isinf(ord):
+        chosen = (size == norm) | jnp.isnan(size)
+        return jnp.sign(x) * chosen / jnp.sum(chosen, axis=axes, keepdims=True).astype(x.dtype)
+    if ord < 1:
+        return jnp.sign(x) * jnp.where(x == 0, 0, size ** (ord - 1)) * norm ** (1 - ord)
+    inverse = jnp.where(norm == 0, 0, 1 / norm ** (ord - 1))
+    if ord < 2:
+        return jnp.sign(x) * size ** (ord - 1) * inverse
+    return x * size ** (ord - 2) * inverse
+
+
+@lowering(aten.linalg_vector_norm.default)
+def linalg_vector_norm(ctx, x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    out = _out_dtype(ctx)
+    axes = _axes(dim, x.ndim)
+    ord = float(ord)
+
+    @jax.custom_jvp
+    def norm(v):
+        return _norm(v, ord, axes)
+
+    @norm.defjvp
+    def norm_jvp(primals, tangents):
+        (v,), (tangent,) = primals, tangents
+        result = _norm(v, ord, axes)
+        return result, jnp.sum(_norm_slope(v, result, ord, axes) * tangent, axis=axes, keepdims=True)
+
+    result = norm(_accumulate_as(x, out))
+    return (result if keepdim else jnp.squeeze(result, axes)).astype(out)
+
+
+def _shifted(x, axis):
+    """``x`` minus its maximum along ``axis``: exp cannot overflow; the shift carries no gradient
+    because softmax does not depend on it."""
+    wide = _widen(x)
+    return wide - jax.lax.stop_gradient(jnp.max(wide, axis=axis, keepdims=True))
+
+
+@lowering(aten._softmax.default)
+def softmax(ctx, x, dim, half_to_float=False):
+    axes = _axes(dim, x.ndim)
+    exps = jnp.exp(_shifted(x, axes))
+    return (exps / jnp.sum(exps, axis=axes, keepdims=True)).astype(_out_dtype(ctx))
+
+
+@lowering(aten._log_softmax.default)
+def log_softmax(ctx, x, dim, half_to_float=False):
+    axes = _axes(dim, x.ndim)
+    shifted = _shifted(x, axes)
+    log_total = jnp.log(jnp.sum(jnp.exp(shifted), axis=axes, keepdims=True))
+    return (shifted - log_total).astype(_out_dtype(ctx))
