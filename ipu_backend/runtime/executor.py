@@ -122,6 +122,9 @@ class PoplarExecutor:
         self._options = options.clone()
         self._options._freeze()
         self._training = training
+        if not self._options.broadcast_buffers:
+            raise Error("Options.broadcastBuffers(False) (per-replica buffers) is not emulated: "
+                        "replicas start each step from replica 0's buffers; leave it True")
         if not training and self._options.Training.gradient_accumulation != 1:
             raise Error("You must set poptorch.Options().Training.gradientAccumulation to 1 or leave "
                         "it as its default value (1) when running a poptorch.inferenceModel().")
@@ -253,7 +256,8 @@ class PoplarExecutor:
             mean_reduction=opts.Training.accumulation_and_replication_reduction_type != ReductionType.Sum,
             output_mode=_OUTPUT_MODES[mode],
             output_period=opts.output_return_period or 1,
-            dynamic_loss_scaling=self._training and opts.Training.auto_loss_scaling)
+            dynamic_loss_scaling=self._training and opts.Training.auto_loss_scaling,
+            stochastic_rounding=opts.Precision.stochastic_rounding)
 
     def _micro_batch(self, args: tuple, schedule: Schedule) -> tuple:
         def first(x):

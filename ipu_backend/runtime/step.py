@@ -16,6 +16,7 @@ import torch.utils._pytree as torch_pytree
 from jax.sharding import PartitionSpec as P
 
 from ipu_backend.compiler.lowering_options import lowering_options
+from ipu_backend.runtime.rounding import stochastic_round
 
 REPLICA = "replica"
 
@@ -31,6 +32,7 @@ class Schedule:
     output_mode: str = "final"          # "all" | "final" | "sum" | "every_n"
     output_period: int = 1
     dynamic_loss_scaling: bool = False
+    stochastic_rounding: bool = False
 
     @property
     def factor(self) -> int:
@@ -118,6 +120,18 @@ def _apply_if_finite(grads, scaler, new, old):
     return chosen, {"scale": scale, "good_steps": jnp.where(grow, 0, good)}
 
 
+def _update(rule, grads, opt_state, params, hyper, key, stochastic_rounding: bool):
+    """The optimizer step; half-precision weights are rounded stochastically when asked."""
+    if not stochastic_rounding:
+        return rule.update(grads, opt_state, params, hyper)
+    half = {n for n, p in params.items() if p.dtype in (jnp.float16, jnp.bfloat16)}
+    wide = {n: p.astype(jnp.float32) if n in half else p for n, p in params.items()}
+    new_params, opt_state = rule.update(grads, opt_state, wide, hyper)
+    keys = dict(zip(sorted(half), jax.random.split(key, max(1, len(half)))))
+    return ({n: stochastic_round(p, params[n].dtype, keys[n]) if n in half else p
+             for n, p in new_params.items()}, opt_state)
+
+
 def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, mesh,
                   layout: OutputLayout) -> Callable:
     """``call(state, inputs, hyper, key) -> (state, outputs, logs)``, jitted over the mesh.
@@ -154,14 +168,15 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
             micro_inputs, index = micro
             keys = _replica_keys(jax.random.fold_in(key, index), local)
             grads, (arrays, new_buffers, logs) = replica_step(params, buffers, micro_inputs, keys, loss_scale)
-            grads_sum = jax.tree.map(lambda s, g: s + g.sum(0), grads_sum, grads)
+            grads_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype).sum(0), grads_sum, grads)
             return (grads_sum, _from_replica_zero(new_buffers, local)), (arrays, logs)
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, rule.accum_dtype), params)
         indices = jnp.arange(schedule.accumulation)
         (grads_sum, buffers), ys = _loop(accumulate, (zeros, buffers), (inputs, indices), schedule.accumulation)
         grads = jax.tree.map(lambda g: jax.lax.psum(g, REPLICA) / (scale_sum * loss_scale), grads_sum)
-        new_params, new_opt_state = rule.update(grads, opt_state, params, hyper)
+        new_params, new_opt_state = _update(rule, grads, opt_state, params, hyper,
+                                            jax.random.fold_in(key, schedule.accumulation), schedule.stochastic_rounding)
         if schedule.dynamic_loss_scaling:
             (new_params, new_opt_state), scaler = _apply_if_finite(
                 grads, scaler, (new_params, new_opt_state), (params, opt_state))
