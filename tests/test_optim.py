@@ -342,6 +342,7 @@ def test_matches_tells_when_a_new_rule_is_needed():
     rule = optimizer_rule(optimizer, {id(p): n for n, p in model.named_parameters()})
     assert rule.matches(torch.optim.SGD(model.parameters(), lr=0.5, weight_decay=0.1))
     assert not rule.matches(torch.optim.SGD([model.fc.weight], lr=0.1))
+    assert not rule.matches(torch.optim.Adam(model.parameters()))
     optimizer.param_groups[0]["momentum"] = 0.9
     assert not rule.matches(optimizer)
     with pytest.raises(Error, match="param group 0 momentum: False -> True"):

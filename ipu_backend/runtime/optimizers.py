@@ -280,6 +280,8 @@ class OptimizerRule:
 
     def _changes(self, optimizer) -> list[str]:
         """How ``optimizer`` differs structurally from the one this rule was built for."""
+        if _rule_class(optimizer) is not type(self):
+            return [f"the optimizer is a {type(optimizer).__name__}, this rule is {self.algorithm}'s"]
         if self._ids(optimizer) != self._param_ids:
             return ["its param groups hold other parameters"]
         options, group_options = self._static(optimizer)
@@ -522,16 +524,20 @@ _RULES = (
 )
 
 
-def optimizer_rule(optimizer: torch.optim.Optimizer, param_names: Mapping[int, str]) -> OptimizerRule:
-    """The update rule of ``optimizer`` (torch's SGD, Adam, AdamW, RMSprop or ours, LAMB too),
-    ``param_names`` mapping ``id(parameter) -> name``."""
+def _rule_class(optimizer: torch.optim.Optimizer) -> type[OptimizerRule]:
     for base, rule in _RULES:
         if isinstance(optimizer, base):
             if inspect.unwrap(type(optimizer).step) is not inspect.unwrap(base.step):
                 raise Error(f"{type(optimizer).__qualname__} overrides step() of {base.__module__}."
                             f"{base.__qualname__}: a custom update cannot be compiled; use the "
                             "optimizer it derives from")
-            return rule(optimizer, param_names)
+            return rule
     raise Error(f"optimizer {type(optimizer).__module__}.{type(optimizer).__qualname__} is not "
                 "supported; use SGD, Adam, AdamW or RMSprop (torch.optim or poptorch.optim) or "
                 "poptorch.optim.LAMB")
+
+
+def optimizer_rule(optimizer: torch.optim.Optimizer, param_names: Mapping[int, str]) -> OptimizerRule:
+    """The update rule of ``optimizer`` (torch's SGD, Adam, AdamW, RMSprop or ours, LAMB too),
+    ``param_names`` mapping ``id(parameter) -> name``."""
+    return _rule_class(optimizer)(optimizer, param_names)
