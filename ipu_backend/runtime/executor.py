@@ -20,6 +20,7 @@ from ipu_backend.runtime import compilation_cache
 from ipu_backend.runtime.devices import replica_mesh
 from ipu_backend.runtime.optimizers import optimizer_rule
 from ipu_backend.runtime.outputs import inputs_to_device, output_to_host
+from ipu_backend.runtime.stages import has_blocks
 from ipu_backend.runtime.step import OutputLayout, Schedule, inference_call, initial_scaler, training_call
 from ipu_backend.runtime.weights import release, weight_store
 
@@ -35,6 +36,8 @@ class _Compiled:
     def __init__(self, call, program, layout, output_dtypes, log_dtypes, rule=None):
         self.call, self.program, self.layout = call, program, layout
         self.output_dtypes, self.log_dtypes, self.rule = output_dtypes, log_dtypes, rule
+        self.executable = None            # XLA executable, compiled ahead of the first call
+        self.started = time.perf_counter()
 
 
 def _signature(args) -> tuple:
@@ -169,29 +172,23 @@ class PoplarExecutor:
         compiled = self._compile(args)
         if not self._attached:
             self.attachToDevice()
-        schedule = self._schedule()
-        mesh = replica_mesh(schedule.replicas)
-        inputs = inputs_to_device(args, schedule, mesh)
-        key = jax.random.fold_in(self._base_key(), self._next_call_index())
-        params, buffers = self._store.device_state()
+        call_args = self._call_arguments(compiled, args)
+        self._ensure_executable(compiled, call_args)
         if self._training:
-            hyper = compiled.rule.hyperparameters(self._optimizer)
-            state = {"params": params, "buffers": buffers, "opt": self._optimizer_state(compiled.rule, params),
-                     "scaler": self._scaler_state(compiled.rule, hyper)}
-            state = jax.device_put(state, NamedSharding(mesh, P()))
-            state, arrays, logs = compiled.call(state, inputs, hyper, key)
+            state, arrays, logs = compiled.executable(*call_args)
             self._opt_state, self._scaler = state["opt"], state["scaler"]
         else:
-            state = jax.device_put({"params": params, "buffers": buffers}, NamedSharding(mesh, P()))
-            state, arrays, logs = compiled.call(state, inputs, key)
+            state, arrays, logs = compiled.executable(*call_args)
         self._store.update(state["params"], state["buffers"])
         self.last_logs = {name: output_to_host(value, compiled.log_dtypes[name]) for name, value in logs.items()}
         outputs = [output_to_host(a, d) for a, d in zip(arrays, compiled.output_dtypes)]
         return compiled.layout.join(outputs)
 
     def compile(self, *args, **kwargs) -> None:
-        """Compile for these inputs without running."""
-        self._compile(self._bind(args, kwargs))
+        """Compile for these inputs without running (PopTorch's ``compile``)."""
+        args = self._bind(args, kwargs)
+        compiled = self._compile(args)
+        self._ensure_executable(compiled, self._call_arguments(compiled, args, advance=False))
 
     def isCompiled(self) -> bool:
         return bool(self._compiled)
@@ -227,6 +224,12 @@ class PoplarExecutor:
 
     def isAttachedToDevice(self) -> bool:
         return self._attached
+
+    def ipuPlacement(self) -> dict[str, int]:  # noqa: N802
+        """Parameter name → the IPU holding it (IPU 0 for every parameter of a single-IPU model)."""
+        compiled = next(iter(self._compiled.values()), None)
+        placement = getattr(getattr(compiled, "call", None), "placement", {})
+        return {name: placement.get(name, 0) for name, _ in torch.nn.Module.named_parameters(self._user_model)}
 
     def destroy(self) -> None:
         """Release the device: weights reach the host and the module gets its own class back."""
@@ -289,12 +292,33 @@ class PoplarExecutor:
         self._last_signature = signature
         schedule = self._schedule()
         micro = self._micro_batch(args, schedule)
-        start = time.perf_counter()
         compiled = self._build(micro, schedule)
         self._compiled[signature] = compiled
-        logger.info("compiled %s model in %.2f s", "training" if self._training else "inference",
-                    time.perf_counter() - start)
         return compiled
+
+    def _call_arguments(self, compiled: _Compiled, args: tuple, advance: bool = True) -> tuple:
+        """What the compiled call takes: device state, the combined batch on the mesh, the
+        optimizer's current hyper-parameters (training) and this call's random key."""
+        schedule = self._schedule()
+        mesh = replica_mesh(schedule.replicas)
+        inputs = inputs_to_device(args, schedule, mesh)
+        key = jax.random.fold_in(self._base_key(), self._next_call_index() if advance else 0)
+        params, buffers = self._store.device_state()
+        replicated = NamedSharding(mesh, P())
+        if not self._training:
+            return jax.device_put({"params": params, "buffers": buffers}, replicated), inputs, key
+        hyper = compiled.rule.hyperparameters(self._optimizer)
+        state = {"params": params, "buffers": buffers, "opt": self._optimizer_state(compiled.rule, params),
+                 "scaler": self._scaler_state(compiled.rule, hyper)}
+        return jax.device_put(state, replicated), inputs, hyper, key
+
+    def _ensure_executable(self, compiled: _Compiled, call_args: tuple) -> None:
+        """Lower and compile ahead of time, once, and say how long capture and compilation took."""
+        if compiled.executable is not None:
+            return
+        compiled.executable = compiled.call.lower(*call_args).compile()
+        logger.info("compiled the %s program in %.2f s", "training" if self._training else "inference",
+                    time.perf_counter() - compiled.started)
 
     def _build(self, micro: tuple, schedule: Schedule) -> _Compiled:
         model = self._user_model
@@ -313,6 +337,11 @@ class PoplarExecutor:
         dtypes = [n.meta["val"].dtype for n in results]
         log_names = [call.name for call in program.logs if call.is_tensor]
         log_dtypes = {name: n.meta["val"].dtype for name, n in zip(log_names, nodes[len(results):])}
+        if has_blocks(program.graph_module):        # split over IPUs: runtime/pipeline.py
+            from ipu_backend.runtime.pipeline import build_for
+            multi = build_for(self, micro, schedule, program)
+            if multi is not None:
+                return _Compiled(multi, program, multi.layout, dtypes, log_dtypes, multi.rule)
         if self._training:
             rule = optimizer_rule(self._optimizer, {id(p): n for n, p in
                                                     torch.nn.Module.named_parameters(model)})
