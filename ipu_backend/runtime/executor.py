@@ -5,6 +5,7 @@ import inspect
 import logging
 import time
 import warnings
+import weakref
 
 import jax
 import torch
@@ -25,6 +26,10 @@ from ipu_backend.runtime.step import OutputLayout, Schedule, inference_call, ini
 from ipu_backend.runtime.weights import release, weight_store
 
 logger = logging.getLogger("ipu_backend")
+
+_PROGRAMS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+"""Compiled programs per module, shared by its executors: the same model, options, input
+signature and optimizer structure never compile twice in a process."""
 
 _OUTPUT_MODES = {OutputMode.All: "all", OutputMode.Final: "final", OutputMode.Sum: "sum",
                  OutputMode.EveryN: "every_n"}
@@ -191,7 +196,7 @@ class PoplarExecutor:
         self._ensure_executable(compiled, self._call_arguments(compiled, args, advance=False))
 
     def isCompiled(self) -> bool:
-        return bool(self._compiled)
+        return any(c.executable is not None for c in self._compiled.values())
 
     def copyWeightsToHost(self) -> None:
         self._store.sync_to_host()
@@ -280,10 +285,18 @@ class PoplarExecutor:
 
         return torch_pytree.tree_map(first, args)
 
+    def _cache_key(self, args: tuple) -> tuple:
+        optimizer = self._optimizer
+        structure = None if optimizer is None else (
+            type(optimizer), tuple(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups))
+        options = repr(sorted(self._options.toDict().items()))
+        return (self._training, self._step_method, options, structure, _signature(args))
+
     def _compile(self, args: tuple) -> _Compiled:
-        signature = _signature(args)
-        compiled = self._compiled.get(signature)
-        if compiled is not None:
+        signature = self._cache_key(args)
+        compiled = self._compiled.get(signature) or _PROGRAMS.setdefault(self._user_model, {}).get(signature)
+        if compiled is not None and (compiled.rule is None or compiled.rule.matches(self._optimizer)):
+            self._compiled[signature] = compiled
             return compiled
         if self._last_signature is not None:
             warnings.warn("the inputs' shapes or dtypes changed since the last call: compiling "
@@ -293,7 +306,7 @@ class PoplarExecutor:
         schedule = self._schedule()
         micro = self._micro_batch(args, schedule)
         compiled = self._build(micro, schedule)
-        self._compiled[signature] = compiled
+        self._compiled[signature] = _PROGRAMS[self._user_model][signature] = compiled
         return compiled
 
     def _call_arguments(self, compiled: _Compiled, args: tuple, advance: bool = True) -> tuple:
