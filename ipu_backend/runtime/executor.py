@@ -123,7 +123,7 @@ class PoplarExecutor:
     """What ``trainingModel``/``inferenceModel`` return: call it like the model."""
 
     def __init__(self, model: torch.nn.Module, options, training: bool, optimizer=None,
-                 step_method: str | None = None):
+                 step_method: str | None = None, gradient_clipping=None):
         from ipu_backend.options import Options
         options = options if options is not None else Options()
         options._freeze()
@@ -140,6 +140,10 @@ class PoplarExecutor:
         self._step_method = step_method
         self.last_logs: dict = {}
         """``self.log`` values of the last call (step methods), per the output mode."""
+        self.last_program = None
+        """The compiled Program that ran in the last call (its ``logs``, output shapes)."""
+        self._gradient_clipping = gradient_clipping
+        """A ``runtime.clipping.GradientClipping`` applied before each optimizer update, or None."""
         if training and optimizer is None:
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         self._optimizer = optimizer
@@ -185,6 +189,7 @@ class PoplarExecutor:
         else:
             state, arrays, logs = compiled.executable(*call_args)
         self._store.update(state["params"], state["buffers"])
+        self.last_program = compiled.program
         self.last_logs = {name: output_to_host(value, compiled.log_dtypes[name]) for name, value in logs.items()}
         outputs = [output_to_host(a, d) for a, d in zip(arrays, compiled.output_dtypes)]
         return compiled.layout.join(outputs)
@@ -290,7 +295,8 @@ class PoplarExecutor:
         structure = None if optimizer is None else (
             type(optimizer), tuple(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups))
         options = repr(sorted(self._options.toDict().items()))
-        return (self._training, self._step_method, options, structure, _signature(args))
+        return (self._training, self._step_method, options, structure, self._gradient_clipping,
+                _signature(args))
 
     def _compile(self, args: tuple) -> _Compiled:
         signature = self._cache_key(args)
@@ -351,6 +357,9 @@ class PoplarExecutor:
         log_names = [call.name for call in program.logs if call.is_tensor]
         log_dtypes = {name: n.meta["val"].dtype for name, n in zip(log_names, nodes[len(results):])}
         if has_blocks(program.graph_module):        # split over IPUs: runtime/pipeline.py
+            if self._gradient_clipping is not None:
+                raise Error("gradient clipping is not supported with a model split over IPUs "
+                            "(blocks) yet")
             from ipu_backend.runtime.pipeline import build_for
             multi = build_for(self, micro, schedule, program)
             if multi is not None:
@@ -358,6 +367,8 @@ class PoplarExecutor:
         if self._training:
             rule = optimizer_rule(self._optimizer, {id(p): n for n, p in
                                                     torch.nn.Module.named_parameters(model)})
+            if self._gradient_clipping is not None:
+                rule = self._gradient_clipping.wrap(rule)
             loss_index = find_loss(program, step_method=self._step_method is not None)
             call = training_call(forward, loss_index, rule, schedule, mesh, layout)
             return _Compiled(call, program, layout, dtypes, log_dtypes, rule)

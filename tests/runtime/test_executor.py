@@ -2,6 +2,7 @@
 replication, output modes, weights, errors. fp32 tolerance: 1e-5 relative (1e-6 absolute)."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -292,3 +293,84 @@ def test_options_freeze_once_used():
     poptorch.inferenceModel(Regression(), opts)
     with pytest.raises(poptorch.Error, match="Can't modify frozen Options"):
         opts.deviceIterations(2)
+
+
+def test_programs_are_compiled_once_per_model_options_and_signature(caplog):
+    net = Regression()
+    x = torch.randn(4, 6)
+    with caplog.at_level("INFO", logger="ipu_backend"):
+        first = poptorch.inferenceModel(net)
+        first(x)
+        second = poptorch.inferenceModel(net)
+        second(x)
+    compile_lines = [r for r in caplog.records if "compiled the inference program" in r.getMessage()]
+    assert len(compile_lines) == 1, "the second executor must reuse the first's program"
+    assert re.search(r"in \d+\.\d\d s", compile_lines[0].getMessage())
+    assert second.isCompiled()
+
+
+def test_compile_without_running_then_call():
+    net = Regression()
+    x, y = data(4)
+    model = poptorch.trainingModel(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    before = copy.deepcopy(net.state_dict())
+    assert not model.isCompiled()
+    model.compile(x, y)
+    assert model.isCompiled()
+    for name, value in net.state_dict().items():
+        assert torch.equal(value, before[name]), "compile() must not train"
+    model(x, y)
+    assert not torch.equal(net.out.weight, before["out.weight"])
+
+
+def test_executable_caching_writes_the_persistent_cache(tmp_path):
+    opts = poptorch.Options().enableExecutableCaching(str(tmp_path / "cache"))
+    poptorch.inferenceModel(Regression(), opts)(torch.randn(4, 6))
+    assert any((tmp_path / "cache").iterdir()), "no executable was written to the cache"
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+    lambda p: torch.optim.Adam(p, lr=0.01),
+    lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+    lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5),
+    lambda p: poptorch.optim.AdamW(p, lr=0.01),
+], ids=["sgd_nesterov", "adam", "adamw", "rmsprop", "poptorch_adamw"])
+def test_every_optimizer_over_six_steps_equals_torch(make_optimizer):
+    torch.manual_seed(10)
+    reference = Regression()
+    ipu = copy.deepcopy(reference)
+    x, y = data(6 * 4)
+    torch_optimizer = make_optimizer(reference.parameters())
+    for xb, yb in zip(x.split(4), y.split(4)):
+        torch_optimizer.zero_grad()
+        reference(xb, yb)[1].backward()
+        torch_optimizer.step()
+    ipu_optimizer = make_optimizer(ipu.parameters())
+    model = poptorch.trainingModel(ipu, poptorch.Options().deviceIterations(3), ipu_optimizer)
+    model(x[:12], y[:12])
+    model(x[12:], y[12:])
+    assert_params_equal(ipu, reference)
+    model.copyWeightsToHost()
+    for p, q in zip(ipu_optimizer.param_groups[0]["params"], torch_optimizer.param_groups[0]["params"]):
+        for slot, value in torch_optimizer.state[q].items():
+            torch.testing.assert_close(ipu_optimizer.state[p][slot], value, rtol=RTOL, atol=ATOL, msg=slot)
+
+
+def test_optimizer_state_round_trips_through_a_checkpoint():
+    torch.manual_seed(11)
+    reference = Regression()
+    resumed = copy.deepcopy(reference)
+    x, y = data(4 * 4)
+    optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
+    model = poptorch.trainingModel(reference, poptorch.Options().deviceIterations(2), optimizer)
+    model(x[:8], y[:8])
+    model.copyWeightsToHost()
+    checkpoint = {"model": copy.deepcopy(reference.state_dict()), "optimizer": copy.deepcopy(optimizer.state_dict())}
+    model(x[8:], y[8:])
+
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_optimizer = torch.optim.Adam(resumed.parameters(), lr=0.01)
+    resumed_optimizer.load_state_dict(checkpoint["optimizer"])
+    poptorch.trainingModel(resumed, poptorch.Options().deviceIterations(2), resumed_optimizer)(x[8:], y[8:])
+    assert_params_equal(resumed, reference)
