@@ -18,3 +18,21 @@ __all__ = [
     "PoplarExecutor", "ReductionType", "TensorLocationSettings", "identity_loss", "inferenceModel",
     "optim", "trainingModel",
 ]
+
+from ipu_backend.blocks import (  # noqa: E402
+    AutoStage,
+    BeginBlock,
+    Block,
+    BlockFunction,
+    PipelinedExecution,
+    ShardedExecution,
+    Stage,
+    recomputationCheckpoint,
+    removeBlocks,
+)
+from ipu_backend.runtime.memory import IpuSpec, OutOfMemoryError  # noqa: E402
+
+__all__ += [
+    "AutoStage", "BeginBlock", "Block", "BlockFunction", "IpuSpec", "OutOfMemoryError",
+    "PipelinedExecution", "ShardedExecution", "Stage", "recomputationCheckpoint", "removeBlocks",
+]

@@ -1,0 +1,314 @@
+"""PopTorch's model-parallel annotations: blocks, stages and execution strategies.
+
+A *block* is a named part of the model's forward (``with Block("B1"): ...``,
+``BeginBlock(layer)``, ``@BlockFunction("B1")``, ``Block.start("B1")``). While the model is
+captured, each operation is tagged with the block that is active when torch records it: the
+tag travels on the graph node as ``node.meta["custom"]["ipu_block"]`` (torch.export keeps
+``torch.fx.traceback`` annotations through decomposition). An execution strategy
+(:class:`PipelinedExecution`, :class:`ShardedExecution`) then groups blocks into *stages*, each
+on one IPU; :mod:`ipu_backend.runtime.stages` partitions the graph accordingly.
+
+Outside a capture (a plain torch call of the model) the annotations do nothing, as in PopTorch.
+
+As in PopTorch, operations recorded before the first block belong to stage 0 on IPU 0, a block
+opened by ``Block.start`` or ``BeginBlock`` lasts until the next one starts, and operations
+recorded after a ``with Block(...)`` scope closes belong to no block, which is an error.
+"""
+
+import enum
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.fx.traceback as fx_traceback
+from jax.ad_checkpoint import checkpoint_name
+
+from ipu_backend.compiler.registry import lowering
+from ipu_backend.errors import Error
+from ipu_backend.runtime.memory import MEMORY_CHECKS, MK2, IpuSpec
+
+BLOCK_KEY = "ipu_block"
+"""``node.meta["custom"][BLOCK_KEY]``: ``(user_id, ipu_id)`` of the node's block, or None
+when the node was recorded outside every block."""
+_AUTO_ID_KEY = "ipu_block_next_auto_id"
+
+
+class AutoStage(enum.IntEnum):
+    """How blocks become stages when the strategy names none (PopTorch's ``AutoStage``):
+    ``SameAsIpu``: the stage is the block's IPU; ``AutoIncrement``: each new block is a new stage."""
+
+    SameAsIpu = 0
+    AutoIncrement = 1
+
+
+def _capturing() -> bool:
+    """Whether torch.export is recording the model now (annotations are kept only then)."""
+    return fx_traceback.has_preserved_node_meta()
+
+
+def _annotations() -> dict:
+    return fx_traceback.current_meta.get("custom", {})
+
+
+def _annotate(**values) -> None:
+    """Set annotations for the nodes recorded from now on. A new dict each time: nodes recorded
+    earlier keep the one they saw. The capture restores the previous annotations when it ends."""
+    fx_traceback.current_meta["custom"] = {**_annotations(), **values}
+
+
+def _next_auto_id() -> str:
+    index = _annotations().get(_AUTO_ID_KEY, 0)
+    _annotate(**{_AUTO_ID_KEY: index + 1})
+    return str(index)
+
+
+def _check_ipu_id(ipu_id) -> None:
+    if ipu_id is not None and (isinstance(ipu_id, bool) or not isinstance(ipu_id, int) or ipu_id < 0):
+        raise Error(f"ipu_id must be None or a non-negative int, got {ipu_id!r}")
+
+
+def _check_user_id(user_id) -> None:
+    if user_id is not None and not isinstance(user_id, str):
+        raise Error(f"a block's user_id must be a str or None, got {user_id!r}")
+
+
+def _start_block(user_id: str | None, ipu_id: int | None) -> None:
+    if _capturing():
+        _annotate(**{BLOCK_KEY: (user_id if user_id is not None else _next_auto_id(), ipu_id)})
+
+
+def _end_block() -> None:
+    if _capturing():
+        _annotate(**{BLOCK_KEY: None})
+
+
+class Block:
+    """A block of the model: ``with poptorch.Block("Encoder", ipu_id=1): ...``.
+
+    Blocks with the same ``user_id`` form one block; an execution strategy groups blocks into
+    stages. ``ipu_id`` places the block on that IPU (unless its stage names another).
+    """
+
+    def __init__(self, user_id: str | None = None, ipu_id: int | None = None):
+        _check_user_id(user_id)
+        _check_ipu_id(ipu_id)
+        self._user_id = user_id
+        self._ipu_id = ipu_id
+
+    @staticmethod
+    def useAutoId() -> None:  # noqa: N802
+        """Number the blocks that have no ``user_id`` "0", "1", ... from here on (call it at the
+        start of ``forward``)."""
+        if _capturing():
+            _annotate(**{_AUTO_ID_KEY: 0})
+
+    @staticmethod
+    def start(user_id: str | None = None, ipu_id: int | None = None) -> None:
+        """Start a block that lasts until the next one starts."""
+        _check_user_id(user_id)
+        _check_ipu_id(ipu_id)
+        _start_block(user_id, ipu_id)
+
+    def __enter__(self) -> "Block":
+        _start_block(self._user_id, self._ipu_id)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        _end_block()
+
+    def __repr__(self) -> str:
+        return f"Block(user_id={self._user_id!r}, ipu_id={self._ipu_id!r})"
+
+
+class _BeginBlockHook:
+    """Forward pre-hook of a module given to :func:`BeginBlock`."""
+
+    def __init__(self, user_id: str | None, ipu_id: int | None):
+        self.user_id, self.ipu_id = user_id, ipu_id
+
+    def __call__(self, module, args) -> None:
+        _start_block(self.user_id, self.ipu_id)
+
+    def __repr__(self) -> str:
+        return f"BeginBlock(user_id={self.user_id}, ipu_id={self.ipu_id})"
+
+
+class _BeginBlockFunction:
+    """:func:`BeginBlock` of a plain callable: starts the block, then calls it."""
+
+    def __init__(self, function: Callable, user_id: str | None, ipu_id: int | None):
+        self._function, self._user_id, self._ipu_id = function, user_id, ipu_id
+        functools.update_wrapper(self, function)
+
+    def __call__(self, *args, **kwargs):
+        _start_block(self._user_id, self._ipu_id)
+        return self._function(*args, **kwargs)
+
+
+def BeginBlock(layer_to_call, user_id: str | None = None, ipu_id: int | None = None):  # noqa: N802
+    """Start a block each time ``layer_to_call`` (a module) runs; the block lasts until the next
+    one starts. Returns the module itself (a plain callable is wrapped instead)."""
+    _check_user_id(user_id)
+    _check_ipu_id(ipu_id)
+    if not isinstance(layer_to_call, torch.nn.Module):
+        if callable(layer_to_call):
+            return _BeginBlockFunction(layer_to_call, user_id, ipu_id)
+        raise Error("module is not an instance of torch.nn.Module or function.")
+    if any(isinstance(hook, _BeginBlockHook) for hook in layer_to_call._forward_pre_hooks.values()):
+        raise Error("module has already been assigned to a block.")
+    layer_to_call.register_forward_pre_hook(_BeginBlockHook(user_id, ipu_id))
+    return layer_to_call
+
+
+def removeBlocks(module: torch.nn.Module) -> None:  # noqa: N802
+    """Remove every :func:`BeginBlock` annotation from ``module`` and its sub-modules."""
+    if not isinstance(module, torch.nn.Module):
+        raise Error(f"removeBlocks expects a torch.nn.Module, got {type(module).__name__}")
+    for sub in module.modules():
+        for handle_id in [key for key, hook in sub._forward_pre_hooks.items()
+                          if isinstance(hook, _BeginBlockHook)]:
+            del sub._forward_pre_hooks[handle_id]
+
+
+def BlockFunction(user_id: str | None = None, ipu_id: int | None = None):  # noqa: N802
+    """Decorator: the decorated function runs inside ``Block(user_id, ipu_id)``."""
+    _check_user_id(user_id)
+    _check_ipu_id(ipu_id)
+
+    def decorator(function):
+        @functools.wraps(function)
+        def in_block(*args, **kwargs):
+            with Block(user_id, ipu_id):
+                return function(*args, **kwargs)
+
+        return in_block
+
+    return decorator
+
+
+class Stage:
+    """One or more blocks running on one IPU: ``Stage("B1", "B2").ipu(0)``."""
+
+    def __init__(self, *block_ids: str):
+        if not all(isinstance(b, str) for b in block_ids):
+            raise Error(f"Block IDs are supposed to be strings but got {block_ids}")
+        self._blocks = tuple(block_ids)
+        self._ipu = None
+
+    @property
+    def blocks(self) -> tuple[str, ...]:
+        return self._blocks
+
+    def ipu(self, ipu: int) -> "Stage":
+        """Run this stage on IPU ``ipu``."""
+        if isinstance(ipu, bool) or not isinstance(ipu, int) or ipu < 0:
+            raise Error(f"a stage's IPU must be a non-negative int, got {ipu!r}")
+        self._ipu = ipu
+        return self
+
+    @property
+    def ipu_id(self) -> int | None:
+        return self._ipu
+
+    def __repr__(self) -> str:
+        return f"Stage({', '.join(map(repr, self._blocks))}, ipu={self._ipu})"
+
+
+class PipelinedExecution:
+    """Run the stages as a pipeline: ``PipelinedExecution("B1", "B2")``,
+    ``PipelinedExecution(Stage("B1", "B2").ipu(0), Stage("B3").ipu(1))``, or with
+    ``AutoStage.SameAsIpu`` (the default) / ``AutoStage.AutoIncrement`` when blocks carry IPUs.
+
+    Each argument is a stage: a :class:`Stage`, a block id, or a list of block ids.
+
+    Emulation settings (keywords): ``ipu_spec``, the :class:`~ipu_backend.runtime.memory.IpuSpec`
+    each IPU has (Mk2 by default), and ``memory_check``: ``"error"`` (an out-of-memory error when
+    a stage does not fit), ``"warn"`` or ``"off"``.
+    """
+
+    def __init__(self, *args, ipu_spec: IpuSpec = MK2, memory_check: str = "error"):
+        if not isinstance(ipu_spec, IpuSpec):
+            raise Error(f"ipu_spec must be an ipu_backend.IpuSpec, got {ipu_spec!r}")
+        if memory_check not in MEMORY_CHECKS:
+            raise Error(f"memory_check must be one of {MEMORY_CHECKS}, got {memory_check!r}")
+        self.ipu_spec, self.memory_check = ipu_spec, memory_check
+        self._auto_stage = AutoStage.SameAsIpu
+        self._stages: tuple[Stage, ...] = ()
+        if len(args) == 1 and isinstance(args[0], AutoStage):
+            self._auto_stage = args[0]
+            return
+        stages, seen = [], set()
+        for arg in args:
+            if isinstance(arg, Stage):
+                stage = arg
+            elif isinstance(arg, str):
+                stage = Stage(arg)
+            elif isinstance(arg, (list, tuple)):
+                stage = Stage(*arg)
+            else:
+                raise Error(f"a stage is a poptorch.Stage, a block id or a list of block ids; got {arg!r}")
+            for block in stage.blocks:
+                if block in seen:
+                    raise Error(f"{block} associated with more than one stage")
+                seen.add(block)
+            stages.append(stage)
+        self._stages = tuple(stages)
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        """The stages given explicitly (empty when they come from the blocks' IPUs)."""
+        return self._stages
+
+    @property
+    def auto_stage(self) -> AutoStage:
+        return self._auto_stage
+
+    def stage(self, block_id: str) -> Stage:
+        """The explicit stage holding ``block_id``."""
+        for stage in self._stages:
+            if block_id in stage.blocks:
+                return stage
+        raise Error(f"Unknown block {block_id}")
+
+    def __repr__(self) -> str:
+        inside = ", ".join(map(repr, self._stages)) if self._stages else f"AutoStage.{self._auto_stage.name}"
+        return f"{type(self).__name__}({inside})"
+
+
+class ShardedExecution(PipelinedExecution):
+    """Run the stages one after the other, one micro-batch at a time (no pipelining)."""
+
+
+RECOMPUTATION_CHECKPOINT_NAME = "ipu_recomputation_checkpoint"
+"""The name ``jax.ad_checkpoint.checkpoint_name`` gives checkpointed values in stage programs."""
+
+
+@torch.library.custom_op("ipu_backend::recomputation_checkpoint", mutates_args=())
+def _recomputation_checkpoint(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_recomputation_checkpoint.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_recomputation_checkpoint.register_autograd(lambda ctx, grad: grad)
+RECOMPUTATION_CHECKPOINT = torch.ops.ipu_backend.recomputation_checkpoint.default
+
+
+@lowering(RECOMPUTATION_CHECKPOINT)
+def _lower_recomputation_checkpoint(ctx, x):
+    return checkpoint_name(x, RECOMPUTATION_CHECKPOINT_NAME)
+
+
+def recomputationCheckpoint(*tensors):  # noqa: N802
+    """Keep these tensors between the forward and backward passes of a recomputed stage
+    (``opts._Popart.set("autoRecomputation", 3)``): the backward pass then recomputes the forward
+    from them rather than from the stage's inputs. Returns the tensors (a tuple for several)."""
+    if len(tensors) == 1 and isinstance(tensors[0], (tuple, list)):
+        return type(tensors[0])(recomputationCheckpoint(*tensors[0]))
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise ValueError("All inputs must be tensors")
+    out = tuple(_recomputation_checkpoint(t) for t in tensors)
+    return out[0] if len(out) == 1 else out

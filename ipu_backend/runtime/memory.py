@@ -1,0 +1,126 @@
+"""The emulated IPU's memory: its specification, a per-IPU estimate, and the out-of-memory check.
+
+An IPU holds everything in its In-Processor-Memory: weights, optimizer state (unless offloaded
+to the host), gradient accumulators, the activations stashed between a micro-batch's forward and
+backward passes, and the temporaries of the programs it runs. :func:`estimate` adds these per
+IPU — sizes from the arrays the programs hold, temporaries from XLA's memory analysis of each
+compiled program — and :func:`check` compares them with the :class:`IpuSpec`.
+"""
+
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ipu_backend.errors import Error
+
+MB = 1_000_000
+
+
+@dataclass(frozen=True)
+class IpuSpec:
+    """One IPU: its In-Processor-Memory in bytes and its tile count (Mk2 GC200 by default)."""
+
+    memory_bytes: int = 900 * MB
+    tiles: int = 1472
+    name: str = "Mk2"
+
+    @property
+    def bytes_per_tile(self) -> float:
+        return self.memory_bytes / self.tiles
+
+
+MK2 = IpuSpec()
+MEMORY_CHECKS = ("error", "warn", "off")
+
+
+@dataclass
+class IpuMemory:
+    """Bytes one IPU needs, by kind."""
+
+    ipu: int
+    weights: int = 0
+    optimizer: int = 0
+    accumulators: int = 0
+    stash: int = 0
+    temporaries: int = 0
+    offloaded: int = 0            # optimizer state kept in host memory (not counted in total)
+    stages: list = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.optimizer + self.accumulators + self.stash + self.temporaries
+
+    def as_dict(self) -> dict:
+        return {"ipu": self.ipu, "stages": list(self.stages), "weights": self.weights,
+                "optimizer": self.optimizer, "accumulators": self.accumulators,
+                "stash": self.stash, "temporaries": self.temporaries,
+                "offloaded_to_host": self.offloaded, "total": self.total}
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """What one stage holds on its IPU (bytes for one replica)."""
+
+    stage: int
+    ipu: int
+    weights: int
+    optimizer: int
+    accumulators: int
+    stash_per_micro_batch: int
+    stashed_micro_batches: int
+    temporaries: int
+    optimizer_offloaded: bool
+
+
+def estimate(stages: Iterable[StageMemory]) -> list[IpuMemory]:
+    """Per-IPU usage: stages on one IPU add up, except temporaries (one program runs at a time)."""
+    ipus: dict[int, IpuMemory] = {}
+    for stage in stages:
+        usage = ipus.setdefault(stage.ipu, IpuMemory(stage.ipu))
+        usage.stages.append(stage.stage)
+        usage.weights += stage.weights
+        usage.accumulators += stage.accumulators
+        usage.stash += stage.stash_per_micro_batch * stage.stashed_micro_batches
+        usage.temporaries = max(usage.temporaries, stage.temporaries)
+        if stage.optimizer_offloaded:
+            usage.offloaded += stage.optimizer
+        else:
+            usage.optimizer += stage.optimizer
+    return [ipus[i] for i in sorted(ipus)]
+
+
+def _mb(n: int) -> str:
+    return f"{n / MB:,.1f} MB"
+
+
+def describe(usage: list[IpuMemory], spec: IpuSpec) -> str:
+    lines = [f"  IPU{u.ipu} (stages {', '.join(map(str, u.stages))}): {_mb(u.total)} of {_mb(spec.memory_bytes)}"
+             f" — weights {_mb(u.weights)}, optimizer {_mb(u.optimizer)}"
+             f"{f' (+{_mb(u.offloaded)} on the host)' if u.offloaded else ''}, accumulators "
+             f"{_mb(u.accumulators)}, stashed activations {_mb(u.stash)}, temporaries {_mb(u.temporaries)}"
+             for u in usage]
+    return "\n".join(lines)
+
+
+class OutOfMemoryError(Error):
+    """The model does not fit the emulated IPUs' memory."""
+
+
+def check(usage: list[IpuMemory], spec: IpuSpec, mode: str = "error") -> None:
+    """Raise :class:`OutOfMemoryError` (or warn, per ``mode``) when an IPU is over its memory."""
+    if mode not in MEMORY_CHECKS:
+        raise Error(f"the memory check must be one of {MEMORY_CHECKS}, got {mode!r}")
+    over = [u for u in usage if u.total > spec.memory_bytes]
+    if not over or mode == "off":
+        return
+    message = (f"Out of memory on {len(over)} of {len(usage)} IPU(s) ({spec.name}, "
+               f"{_mb(spec.memory_bytes)} each):\n{describe(usage, spec)}\n"
+               "To fit: split the model over more stages (more poptorch.Block / Stage on more IPUs), "
+               "recompute activations (recomputationCheckpoint and opts._Popart.set("
+               "'autoRecomputation', 3)), offload the optimizer state (opts.TensorLocations."
+               "setOptimizerLocation(poptorch.TensorLocationSettings().useOnChipStorage(False))), "
+               "or reduce the micro-batch size.")
+    if mode == "warn":
+        warnings.warn(message, stacklevel=4)
+        return
+    raise OutOfMemoryError(message)

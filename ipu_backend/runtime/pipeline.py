@@ -1,0 +1,686 @@
+"""Multi-IPU execution: each stage of a partitioned model on its own emulated IPU, pipelined or
+sharded, with the numbers of single-IPU training.
+
+Shape: one compiled program per stage and role on the stage's devices (one device per replica:
+replica ``r`` of IPU ``i`` is JAX device ``r · num_ipus + i``), driven by a host loop that
+only dispatches — every computation, gradient accumulation included, happens inside the stage
+programs, so the host never waits and stages on different devices overlap.
+
+* ``forward``: a micro-batch through one stage; returns what later stages read, the stage's
+  outputs, its new buffers and the *stash*: the residuals of ``jax.vjp`` that the backward pass
+  needs. Residuals that depend only on the stage's weights (the weights themselves, their
+  transposes) are not stashed: ``backward`` recomputes them from the weights, so a stashed
+  micro-batch holds activations only.
+* ``backward``: the stashed residuals and the cotangents sent back by later stages give the
+  gradients, added to the stage's accumulator, and the cotangents of what the stage received.
+* ``forward_backward``: the last stage runs both at once (PopART's last pipeline stage does too).
+* ``update``: the stage's optimizer step on its own parameters, from its accumulated gradients.
+
+With recomputation (``opts._Popart.set("autoRecomputation", 3)``) the stage function is wrapped
+in ``jax.checkpoint`` saving only ``recomputationCheckpoint`` values: a stash then holds the
+stage's inputs and checkpoints, and ``backward`` recomputes the rest.
+
+Pipelined training follows Graphcore's schedule: with S stages a step has 2S−1 pipeline stages
+(the forward of each IPU, then the backward of all but the last); micro-batch ``m`` reaches
+pipeline stage ``p`` at cycle ``m + p``, so IPU ``k`` runs the forward of micro-batch ``t − k``
+and the backward of micro-batch ``t − (2S − 2 − k)`` at cycle ``t`` (ramp-up, a steady state
+where every IPU alternates forward and backward, ramp-down). Sharded execution runs one
+micro-batch at a time through every stage and back.
+"""
+
+import copy
+import math
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.utils._pytree as torch_pytree
+from jax.extend.core import Literal
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ipu_backend.blocks import RECOMPUTATION_CHECKPOINT_NAME, PipelinedExecution, ShardedExecution
+from ipu_backend.compiler import capture
+from ipu_backend.compiler.dtypes import jax_dtype
+from ipu_backend.errors import Error
+from ipu_backend.runtime import memory
+from ipu_backend.runtime.stages import Partition, StagePlan, partition, run_stage
+from ipu_backend.runtime.step import REPLICA, OutputLayout, Schedule
+
+_RECOMPUTE_STAGES = (3, 4)      # PopART RecomputationType.Pipeline and RecomputeAll
+_RECOMPUTE_STANDARD = 1         # RecomputationType.Standard: keep matrix products, recompute the rest
+
+
+# --- schedules ---------------------------------------------------------------------------------
+def training_order(micro_batches: int, stages: int, pipelined: bool) -> list[tuple[str, int, int]]:
+    """``(role, stage, micro_batch)`` in dispatch order for one optimizer step; role is ``"F"``
+    (forward), ``"B"`` (backward) or ``"FB"`` (the last stage's forward and backward)."""
+    last = stages - 1
+    if not pipelined:
+        return [event for m in range(micro_batches)
+                for event in ([("F", k, m) for k in range(last)] + [("FB", last, m)] +
+                              [("B", k, m) for k in reversed(range(last))])]
+    order = []
+    for cycle in range(micro_batches + 2 * stages - 2):
+        for k in range(stages):
+            m = cycle - k
+            if 0 <= m < micro_batches:
+                order.append(("FB" if k == last else "F", k, m))
+        for k in reversed(range(last)):
+            m = cycle - (2 * stages - 2 - k)
+            if 0 <= m < micro_batches:
+                order.append(("B", k, m))
+    return order
+
+
+def inference_order(micro_batches: int, stages: int, pipelined: bool) -> list[tuple[int, int]]:
+    """``(stage, micro_batch)`` forwards in dispatch order."""
+    if not pipelined:
+        return [(k, m) for m in range(micro_batches) for k in range(stages)]
+    return [(k, cycle - k) for cycle in range(micro_batches + stages - 1) for k in range(stages)
+            if 0 <= cycle - k < micro_batches]
+
+
+def stashed_micro_batches(stage: int, stages: int, pipelined: bool) -> int:
+    """Micro-batches whose stash stage ``stage`` holds at once (its forward runs ahead of its
+    backward by 2(S−1−k) cycles in a pipeline)."""
+    if stage == stages - 1:
+        return 0
+    return 2 * (stages - 1 - stage) + 1 if pipelined else 1
+
+
+# --- helpers -----------------------------------------------------------------------------------
+def _aval(node: torch.fx.Node) -> jax.ShapeDtypeStruct:
+    val = node.meta["val"]
+    return jax.ShapeDtypeStruct(tuple(val.shape), jax_dtype(val.dtype))
+
+
+def _is_float(node: torch.fx.Node) -> bool:
+    return node.meta["val"].dtype.is_floating_point
+
+
+def _expand(tree):
+    """Per-device values → ``[1, ...]`` blocks of the replica-sharded global arrays."""
+    return jax.tree.map(lambda x: jnp.expand_dims(x, 0), tree)
+
+
+def _squeeze(tree):
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def _from_replica_zero(tree):
+    """Replica 0's buffers on every replica (PopTorch's broadcastBuffers), as the single-IPU step."""
+    is_zero = jax.lax.axis_index(REPLICA) == 0
+    return jax.tree.map(lambda x: jax.lax.psum(jnp.where(is_zero, x, jnp.zeros_like(x)), REPLICA)
+                        .astype(x.dtype), tree)
+
+
+def _weight_only(jaxpr, weight_leaves: int) -> list[bool]:
+    """For each output of ``jaxpr``: whether it depends only on its first ``weight_leaves`` inputs
+    (and constants), not on the per-micro-batch data that follows them."""
+    dependent = set(jaxpr.invars[weight_leaves:])
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in dependent for v in eqn.invars):
+            dependent.update(eqn.outvars)
+    return [isinstance(v, Literal) or v not in dependent for v in jaxpr.outvars]
+
+
+def _merge(dicts) -> dict:
+    return {name: value for d in dicts for name, value in d.items()}
+
+
+def _bytes(tree) -> int:
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
+               if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key))
+
+
+def _temporaries(compiled) -> int:
+    analysis = compiled.memory_analysis()
+    return 0 if analysis is None else int(analysis.temp_size_in_bytes)
+
+
+def _stage_rule(rule, names: set):
+    """The optimizer rule restricted to one stage's parameters (its update and state for them)."""
+    part = copy.copy(rule)
+    part.groups = tuple(tuple(n for n in group if n in names) for group in rule.groups)
+    part.names = tuple(n for n in rule.names if n in names)
+    return part
+
+
+@dataclass(frozen=True)
+class _Settings:
+    training: bool
+    pipelined: bool
+    schedule: Schedule
+    loss_index: int | None
+    recompute: int                  # 0: off, RecomputationType value otherwise
+    offload: bool
+    stages: int
+
+
+class _Stage:
+    """One stage on its devices: its programs, traced from the partitioned graph."""
+
+    def __init__(self, part: Partition, plan: StagePlan, devices, settings: _Settings, params, buffers,
+                 input_avals: dict, static_inputs: dict, rule):
+        self.part, self.plan, self.settings = part, plan, settings
+        self.mesh = Mesh(np.array(devices), (REPLICA,))
+        self.rep = NamedSharding(self.mesh, P())
+        self.data = NamedSharding(self.mesh, P(REPLICA))
+        self.batch = NamedSharding(self.mesh, P(None, None, REPLICA))
+        self.opt_sharding = self.rep.with_memory_kind("pinned_host") if settings.offload else self.rep
+        nodes = {n.name: n for n in part.graph_module.graph.nodes}
+        self.float_received = tuple(n for n in plan.received if _is_float(nodes[n]))
+        self.other_received = tuple(n for n in plan.received if not _is_float(nodes[n]))
+        self.float_sent = tuple(n for n in plan.sent if _is_float(nodes[n]))
+        self.other_sent = tuple(n for n in plan.sent if not _is_float(nodes[n]))
+        self.received_avals = {n: _aval(nodes[n]) for n in plan.received}
+        self.sent_avals = {n: _aval(nodes[n]) for n in plan.sent}
+        self.has_loss = settings.training and settings.loss_index in plan.outputs
+        if self.has_loss:
+            self.loss_dtype = _aval(part.array_outputs[settings.loss_index]).dtype
+        self.param_avals = {n: jax.ShapeDtypeStruct(params[n].shape, params[n].dtype) for n in plan.params}
+        self.buffer_avals = {n: jax.ShapeDtypeStruct(buffers[n].shape, buffers[n].dtype) for n in plan.buffers}
+        self.input_avals = {i: input_avals[i] for i in plan.inputs if i in input_avals}
+        self.static_inputs = {i: static_inputs[i] for i in plan.inputs if i in static_inputs}
+        self.rule = None if rule is None else _stage_rule(rule, set(plan.params))
+        self._treedef = None
+        self.weight_only = None
+        self.stash_avals = None
+
+    # --- the stage function --------------------------------------------------------------------
+    def _micro(self, inputs, key, d, a):
+        """This micro-batch's inputs and random key, as the single-IPU step derives them."""
+        micro = {i: x[d, a, 0] for i, x in inputs.items()}
+        micro.update(self.static_inputs)
+        key = jax.random.fold_in(key, d)
+        if self.settings.training:
+            key = jax.random.fold_in(key, a)
+        return micro, jax.random.fold_in(key, jax.lax.axis_index(REPLICA))
+
+    def _primal(self, params, received_float, rest):
+        """The differentiated part: ``(values sent on that are floats, loss)``, the rest as aux."""
+        buffers, received_other, inputs, key = rest
+        sent, outputs, new_buffers = run_stage(self.part, self.plan, params, buffers,
+                                               {**received_float, **received_other}, inputs, key)
+        loss = outputs[self.settings.loss_index] if self.has_loss else ()
+        return ({n: sent[n] for n in self.float_sent}, loss), \
+            ({n: sent[n] for n in self.other_sent}, outputs, new_buffers)
+
+    def _vjp(self, params, received_float, rest):
+        fn = self._primal
+        recompute = self.settings.recompute
+        if recompute in _RECOMPUTE_STAGES:
+            fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(
+                RECOMPUTATION_CHECKPOINT_NAME))
+        elif recompute == _RECOMPUTE_STANDARD:
+            fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.save_from_both_policies(
+                jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                jax.checkpoint_policies.save_only_these_names(RECOMPUTATION_CHECKPOINT_NAME)))
+        return jax.vjp(lambda p, r: fn(p, r, rest), params, received_float, has_aux=True)
+
+    def _residuals(self, params, data):
+        _, vjp_fn, _ = self._vjp(params, *data)
+        leaves, self._treedef = jax.tree.flatten(vjp_fn)
+        return leaves
+
+    def _data_avals(self):
+        received_float = {n: self.received_avals[n] for n in self.float_received}
+        received_other = {n: self.received_avals[n] for n in self.other_received}
+        inputs = {i: jax.ShapeDtypeStruct(a.shape[3:], a.dtype) for i, a in self.input_avals.items()}
+        inputs.update(self.static_inputs)
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        return received_float, (self.buffer_avals, received_other, inputs, key)
+
+    def analyse_residuals(self) -> None:
+        """Which residuals depend on the weights only (recomputed, not stashed)."""
+        closed = jax.make_jaxpr(self._residuals)(self.param_avals, self._data_avals())
+        self.weight_only = _weight_only(closed.jaxpr, len(jax.tree.leaves(self.param_avals)))
+        self.stash_avals = [v.aval for v, w in zip(closed.jaxpr.outvars, self.weight_only) if not w]
+
+    def _rebuild_vjp(self, params, stash):
+        """The vjp function from the stash and the weight-only residuals recomputed."""
+        dummy = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct)
+                             and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a,
+                             self._data_avals())
+        received_float, (buffers, received_other, inputs, _) = dummy
+        full = self._residuals(params, (received_float, (buffers, received_other, inputs, jax.random.key(0))))
+        stashed = iter(stash)
+        leaves = [leaf if weight else next(stashed) for leaf, weight in zip(full, self.weight_only)]
+        return jax.tree.unflatten(self._treedef, leaves)
+
+    def _loss_cotangent(self, hyper, rule):
+        return jnp.asarray(rule.loss_scale(hyper), self.loss_dtype) if self.has_loss else ()
+
+    # --- program bodies (per device, inside shard_map) -------------------------------------------
+    def _forward_body(self, params, buffers, received, inputs, key, d, a):
+        micro, key = self._micro(inputs, key, d, a)
+        received = _squeeze(received)
+        received_float = {n: received[n] for n in self.float_received}
+        rest = (buffers, {n: received[n] for n in self.other_received}, micro, key)
+        (sent_float, _), vjp_fn, (sent_other, outputs, new_buffers) = self._vjp(params, received_float, rest)
+        leaves = jax.tree.leaves(vjp_fn)
+        stash = [leaf for leaf, weight in zip(leaves, self.weight_only) if not weight]
+        return (_expand({**sent_float, **sent_other}), _expand(outputs), self._replica_zero(new_buffers),
+                _expand(stash))
+
+    def _backward_body(self, acc, params, stash, cotangents, hyper):
+        vjp_fn = self._rebuild_vjp(params, _squeeze(stash))
+        cotangents = {n: sum(_squeeze(cts)) for n, cts in cotangents.items()}
+        grads, received_cts = vjp_fn(({n: cotangents[n] for n in self.float_sent},
+                                      self._loss_cotangent(hyper, self.rule)))
+        return self._accumulate(acc, grads), _expand(received_cts)
+
+    def _forward_backward_body(self, acc, params, buffers, received, inputs, key, d, a, hyper):
+        micro, key = self._micro(inputs, key, d, a)
+        received = _squeeze(received)
+        received_float = {n: received[n] for n in self.float_received}
+        rest = (buffers, {n: received[n] for n in self.other_received}, micro, key)
+        _, vjp_fn, (_, outputs, new_buffers) = self._vjp(params, received_float, rest)
+        grads, received_cts = vjp_fn(({}, self._loss_cotangent(hyper, self.rule)))
+        return (self._accumulate(acc, grads), _expand(outputs), self._replica_zero(new_buffers),
+                _expand(received_cts))
+
+    def _infer_body(self, params, buffers, received, inputs, key, d):
+        micro, key = self._micro(inputs, key, d, 0)
+        sent, outputs, new_buffers = run_stage(self.part, self.plan, params, buffers, _squeeze(received),
+                                               micro, key)
+        return _expand(sent), _expand(outputs), self._replica_zero(new_buffers)
+
+    def _update_body(self, params, opt, acc, hyper):
+        schedule = self.settings.schedule
+        scale_sum = schedule.accumulation * schedule.replicas if schedule.mean_reduction else 1
+        loss_scale = self.rule.loss_scale(hyper)
+        grads = {n: jax.lax.psum(g[0], REPLICA) / (scale_sum * loss_scale) for n, g in acc.items()}
+        new_params, new_opt = self.rule.update(grads, opt, params, hyper)
+        return new_params, new_opt, jax.tree.map(jnp.zeros_like, acc)
+
+    def _accumulate(self, acc, grads):
+        return {n: acc[n] + grads[n].astype(acc[n].dtype)[None] for n in acc}
+
+    def _replica_zero(self, buffers):
+        return _from_replica_zero(buffers) if self.settings.schedule.replicas > 1 else buffers
+
+    # --- compiled programs -----------------------------------------------------------------------
+    def _global(self, avals: dict, sharding) -> dict:
+        replicas = self.settings.schedule.replicas
+        return {k: jax.ShapeDtypeStruct((replicas, *a.shape), a.dtype, sharding=sharding)
+                for k, a in avals.items()}
+
+    def _on(self, avals, sharding):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), avals)
+
+    def _spmd(self, body, in_specs, out_specs, donate, args, out_shardings=None):
+        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                               check_vma=False)
+        jitted = jax.jit(mapped, donate_argnums=donate) if out_shardings is None else \
+            jax.jit(mapped, donate_argnums=donate, out_shardings=out_shardings)
+        return jitted.lower(*args).compile()
+
+    def compile(self, hyper_avals) -> dict:
+        """Compile this stage's programs; returns each one's temporaries (bytes)."""
+        params = self._on(self.param_avals, self.rep)
+        buffers = self._on(self.buffer_avals, self.rep)
+        received = self._global(self.received_avals, self.data)
+        inputs = {i: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.batch)
+                  for i, a in self.input_avals.items()}
+        key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=self.rep)
+        index = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.rep)
+        self.programs = {}
+        if not self.settings.training:
+            self.programs["infer"] = self._spmd(
+                self._infer_body, (P(), P(), P(REPLICA), P(None, None, REPLICA), P(), P()),
+                (P(REPLICA), P(REPLICA), P()), (1,), (params, buffers, received, inputs, key, index))
+            return {name: _temporaries(p) for name, p in self.programs.items()}
+        hyper = self._on(hyper_avals, self.rep)
+        acc = self._on(self.zero_accumulator_avals(), self.data)
+        last = self.plan.index == self.settings.stages - 1
+        if last:
+            self.programs["forward_backward"] = self._spmd(
+                self._forward_backward_body,
+                (P(REPLICA), P(), P(), P(REPLICA), P(None, None, REPLICA), P(), P(), P(), P()),
+                (P(REPLICA), P(REPLICA), P(), P(REPLICA)), (0, 2),
+                (acc, params, buffers, received, inputs, key, index, index, hyper))
+        else:
+            self.analyse_residuals()
+            stash = [jax.ShapeDtypeStruct((self.settings.schedule.replicas, *a.shape), a.dtype,
+                                          sharding=self.data) for a in self.stash_avals]
+            cotangents = {n: [jax.ShapeDtypeStruct((self.settings.schedule.replicas, *self.sent_avals[n].shape),
+                                                   self.sent_avals[n].dtype, sharding=self.data)] * len(
+                self.part.consumers[n]) for n in self.float_sent}
+            self.programs["forward"] = self._spmd(
+                self._forward_body, (P(), P(), P(REPLICA), P(None, None, REPLICA), P(), P(), P()),
+                (P(REPLICA), P(REPLICA), P(), P(REPLICA)), (1,),
+                (params, buffers, received, inputs, key, index, index))
+            self.programs["backward"] = self._spmd(
+                self._backward_body, (P(REPLICA), P(), P(REPLICA), P(REPLICA), P()),
+                (P(REPLICA), P(REPLICA)), (0,), (acc, params, stash, cotangents, hyper))
+        opt = self._on(jax.eval_shape(self.rule.init, self.param_avals), self.opt_sharding)
+        self.programs["update"] = self._update_program(params, opt, acc, hyper)
+        return {name: _temporaries(p) for name, p in self.programs.items()}
+
+    def _update_program(self, params, opt, acc, hyper):
+        mapped = jax.shard_map(self._update_body, mesh=self.mesh, in_specs=(P(), P(), P(REPLICA), P()),
+                               out_specs=(P(), P(), P(REPLICA)), check_vma=False)
+
+        def update(params, opt, acc, hyper):
+            if self.settings.offload:        # streamed in for the update, back to the host after
+                opt = jax.device_put(opt, jax.memory.Space.Device)
+            return mapped(params, opt, acc, hyper)
+
+        return jax.jit(update, donate_argnums=(0, 1, 2),
+                       out_shardings=(self.rep, self.opt_sharding, self.data)).lower(
+            params, opt, acc, hyper).compile()
+
+    def zero_accumulator_avals(self) -> dict:
+        """Gradient accumulators: one per parameter and replica, in the optimizer's accum_type."""
+        return {n: jax.ShapeDtypeStruct((self.settings.schedule.replicas, *a.shape), self.rule.accum_dtype)
+                for n, a in self.param_avals.items()}
+
+    def zero_accumulator(self) -> dict:
+        return jax.device_put({n: np.zeros(a.shape, a.dtype) for n, a in self.zero_accumulator_avals().items()},
+                              self.data)
+
+    def stash_bytes(self) -> int:
+        """Bytes one stashed micro-batch takes on one replica's IPU."""
+        return 0 if self.stash_avals is None else _bytes(self.stash_avals)
+
+
+class MultiIpuProgram:
+    """What the executor runs for a model split over IPUs, in place of its single-IPU step:
+    called with the executor's arguments, ``(state, inputs, hyper, key)`` in training and
+    ``(state, inputs, key)`` in inference, it returns ``(state, outputs, logs)``.
+
+    Its stage programs are compiled when it is built, so ``lower(...).compile()`` (the executor's
+    ahead-of-time protocol, as ``jax.jit``'s) returns it unchanged.
+    """
+
+    def __init__(self, part: Partition, stages: list[_Stage], settings: _Settings, layout, output_dtypes,
+                 rule, usage, tensor_leaves: list[int], log_names: tuple[str, ...]):
+        self.part, self.stages, self.settings = part, stages, settings
+        self.layout, self.output_dtypes, self.rule = layout, output_dtypes, rule
+        self.memory = usage
+        """Per-IPU memory estimate (:class:`~ipu_backend.runtime.memory.IpuMemory`, one replica)."""
+        self._tensor_leaves = tensor_leaves
+        self._log_names = log_names
+        self._owner = {}
+        for stage in stages:
+            self._owner.update((n, stage) for n in stage.plan.params + stage.plan.buffers)
+        self.placement = {n: stage.plan.ipu for stage in stages for n in stage.plan.params}
+        """Parameter name → IPU."""
+
+    def lower(self, *args) -> "MultiIpuProgram":
+        return self
+
+    def compile(self) -> "MultiIpuProgram":
+        return self
+
+    def __call__(self, state, inputs, *rest):
+        state = self.place(state)
+        if self.settings.training:
+            state, arrays = self._train(state, inputs, *rest)
+        else:
+            state, arrays = self._infer(state, inputs, *rest)
+        results = len(arrays) - len(self._log_names)
+        return state, arrays[:results], dict(zip(self._log_names, arrays[results:]))
+
+    # --- state ---------------------------------------------------------------------------------
+    def _stage_of(self, name: str) -> "_Stage":
+        return self._owner.get(name, self.stages[0])
+
+    def place(self, state: dict) -> dict:
+        """Each weight, buffer and optimizer state on its stage's devices (a no-op when it is)."""
+        shardings = {"params": {n: self._stage_of(n).rep for n in state["params"]},
+                     "buffers": {n: self._stage_of(n).rep for n in state["buffers"]}}
+        if "opt" in state:
+            shardings["opt"] = {n: self._stage_of(n).opt_sharding for n in state["opt"]}
+            shardings["scaler"] = None
+        return jax.device_put(state, shardings)
+
+    def _user_inputs(self, inputs: list) -> list[dict]:
+        """The executor's tensor inputs (``[D, A, R, m, ...]`` each) on the stages reading them."""
+        arrays = dict(zip(self._tensor_leaves, inputs))
+        return [{i: jax.device_put(arrays[i], stage.batch) for i in stage.input_avals} for stage in self.stages]
+
+    # --- outputs -------------------------------------------------------------------------------
+    def _wanted(self, d: int, m: int, micro_batches: int) -> bool:
+        mode = self.settings.schedule.output_mode
+        last_micro = m == micro_batches - 1
+        if mode in ("all", "sum"):
+            return True
+        if mode == "every_n":
+            return last_micro and (d + 1) % self.settings.schedule.output_period == 0
+        return last_micro and d == self.settings.schedule.device_iterations - 1
+
+    def _gather_outputs(self, collected: dict) -> list[np.ndarray]:
+        """``[R, D', A', ...]`` per array output from ``{(d, m): {output index: [R, ...]}}``."""
+        host = jax.device_get(collected)
+        rows = sorted({d for d, _ in host})
+        columns = sorted({m for _, m in host})
+        arrays = []
+        for index in range(len(self.part.array_outputs)):
+            stacked = np.stack([np.stack([host[d, m][index] for m in columns]) for d in rows])
+            if self.settings.schedule.output_mode == "sum":
+                stacked = stacked.sum(axis=(0, 1), keepdims=True, dtype=stacked.dtype)
+            arrays.append(np.moveaxis(stacked, 2, 0))
+        return arrays
+
+    # --- training ----------------------------------------------------------------------------
+    def _train(self, state, inputs, hyper, key):
+        schedule, stages = self.settings.schedule, self.stages
+        params = [{n: state["params"][n] for n in s.plan.params} for s in stages]
+        buffers = [{n: state["buffers"][n] for n in s.plan.buffers} for s in stages]
+        opt = [{n: state["opt"][n] for n in s.plan.params if n in state["opt"]} for s in stages]
+        user = self._user_inputs(inputs)
+        keys = [jax.device_put(key, s.rep) for s in stages]
+        hypers = [jax.device_put(hyper, s.rep) for s in stages]
+        accs = [s.zero_accumulator() for s in stages]
+        order = training_order(schedule.accumulation, len(stages), self.settings.pipelined)
+        collected = {}
+        for d in range(schedule.device_iterations):
+            index_d = np.int32(d)
+            received = defaultdict(dict)                          # (stage, micro) -> name -> value
+            cotangents = defaultdict(lambda: defaultdict(list))   # (stage, micro) -> name -> [ct]
+            stash = {}
+            for role, k, m in order:
+                program = stages[k].programs
+                if role == "F":
+                    sent, outputs, buffers[k], stash[k, m] = program["forward"](
+                        params[k], buffers[k], received.pop((k, m), {}), user[k], keys[k], index_d,
+                        np.int32(m))
+                    self._send(sent, m, received)
+                elif role == "FB":
+                    accs[k], outputs, buffers[k], received_cts = program["forward_backward"](
+                        accs[k], params[k], buffers[k], received.pop((k, m), {}), user[k], keys[k],
+                        index_d, np.int32(m), hypers[k])
+                    self._send_back(received_cts, m, cotangents)
+                else:
+                    accs[k], received_cts = program["backward"](
+                        accs[k], params[k], stash.pop((k, m)), dict(cotangents.pop((k, m), {})), hypers[k])
+                    self._send_back(received_cts, m, cotangents)
+                    continue
+                if outputs and self._wanted(d, m, schedule.accumulation):
+                    collected.setdefault((d, m), {}).update(outputs)
+            for k, stage in enumerate(stages):
+                params[k], opt[k], accs[k] = stage.programs["update"](params[k], opt[k], accs[k], hypers[k])
+        new_state = {"params": _merge(params), "buffers": _merge(buffers), "opt": _merge(opt),
+                     "scaler": state["scaler"]}
+        return new_state, self._gather_outputs(collected)
+
+    def _send(self, sent: dict, m: int, received) -> None:
+        for name, value in sent.items():
+            for reader in self.part.consumers[name]:
+                received[reader, m][name] = jax.device_put(value, self.stages[reader].data)
+
+    def _send_back(self, received_cts: dict, m: int, cotangents) -> None:
+        for name, ct in received_cts.items():
+            producer = self.part.producer[name]
+            cotangents[producer, m][name].append(jax.device_put(ct, self.stages[producer].data))
+
+    # --- inference ---------------------------------------------------------------------------
+    def _infer(self, state, inputs, key):
+        schedule, stages = self.settings.schedule, self.stages
+        params = [{n: state["params"][n] for n in s.plan.params} for s in stages]
+        buffers = [{n: state["buffers"][n] for n in s.plan.buffers} for s in stages]
+        user = self._user_inputs(inputs)
+        keys = [jax.device_put(key, s.rep) for s in stages]
+        received = defaultdict(dict)
+        collected = {}
+        for k, d in inference_order(schedule.device_iterations, len(stages), self.settings.pipelined):
+            sent, outputs, buffers[k] = stages[k].programs["infer"](
+                params[k], buffers[k], received.pop((k, d), {}), user[k], keys[k], np.int32(d))
+            self._send(sent, d, received)
+            if outputs and self._wanted(d, 0, 1):
+                collected.setdefault((d, 0), {}).update(outputs)
+        return {"params": _merge(params), "buffers": _merge(buffers)}, self._gather_outputs(collected)
+
+
+# --- building ----------------------------------------------------------------------------------
+def check_ipu_count(num_ipus: int, auto_round: bool) -> int:
+    """PopTorch reserves a power of two IPUs: the count to reserve (rounded when allowed)."""
+    rounded = 1 << max(0, num_ipus - 1).bit_length()
+    if rounded == num_ipus:
+        return num_ipus
+    common = ", because PopTorch must reserve a power of 2 or maximum of 64 IPUs per process"
+    if not auto_round:
+        raise Error(f"The model specifies the use of {num_ipus} IPUs, however PopTorch must reserve a "
+                    f"minimum of {rounded} in order to allow the model to run{common}. Please "
+                    "reconfigure your model to use a different number of IPUs or set "
+                    "poptorch.Options().autoRoundNumIPUs(True).")
+    warnings.warn(f"Reserving {rounded} IPUs when the model specifies the use of only {num_ipus}"
+                  f"{common}. {rounded - num_ipus} will be reserved but not used.", stacklevel=4)
+    return rounded
+
+
+def _strategy(options) -> PipelinedExecution:
+    strategy = options.execution_strategy
+    if strategy is None:
+        return PipelinedExecution()
+    if not isinstance(strategy, PipelinedExecution):
+        raise Error(f"execution strategy {strategy!r} is not emulated; use poptorch.PipelinedExecution "
+                    "or poptorch.ShardedExecution")
+    return strategy
+
+
+def _check_stage_counts(part: Partition, schedule: Schedule, training: bool, pipelined: bool) -> None:
+    if not pipelined:
+        return
+    forward = part.forward_stages
+    if training and schedule.accumulation < 2 * forward - 1:
+        raise Error(f"poptorch.Options().Training.gradientAccumulation must be greater than or equal to "
+                    f"the number of pipeline stages ({2 * forward - 1}) when using "
+                    f"poptorch.PipelinedExecution (it is {schedule.accumulation}). Please note that a "
+                    f"model with {forward} pipeline stages in PopTorch will have an additional "
+                    f"{forward - 1} stages when training.")
+    if not training and schedule.device_iterations < forward:
+        raise Error(f"poptorch.Options().deviceIterations must be greater than or equal to the number "
+                    f"of pipeline stages ({forward}) when using PopTorch.PipelinedExecution (it is "
+                    f"{schedule.device_iterations}).")
+
+
+def _devices(num_ipus: int, replicas: int) -> list:
+    devices = jax.devices()
+    if num_ipus * replicas > len(devices):
+        raise Error(f"the model needs {num_ipus} IPUs × {replicas} replicas = {num_ipus * replicas} emulated "
+                    f"IPUs, but JAX has {len(devices)} device(s): set IPU_BACKEND_CPU_DEVICES="
+                    f"{num_ipus * replicas} (or more) before the first JAX computation")
+    return devices
+
+
+def _recomputation(options) -> int:
+    value = options._Popart.options.get("autoRecomputation", 0)
+    return int(getattr(value, "value", value))
+
+
+def _check_supported(options, hyper, training: bool) -> None:
+    if training and options.Training.auto_loss_scaling:
+        raise Error("automatic loss scaling is not emulated for models split over several IPUs yet; "
+                    "set a fixed loss_scaling on the optimizer instead")
+    if training and options.Precision.stochastic_rounding:
+        raise Error("stochastic rounding is not emulated for models split over several IPUs yet")
+    if training and math.isfinite(float(hyper["max_grad_norm"])):
+        raise Error("max_grad_norm (gradient clipping over every parameter) is not emulated for "
+                    "models split over several IPUs yet")
+
+
+def build_for(executor, micro: tuple, schedule: Schedule, program) -> MultiIpuProgram | None:
+    """The executor's multi-IPU program for a model with blocks (see :func:`build`)."""
+    from ipu_backend.runtime.executor import find_loss
+    from ipu_backend.runtime.optimizers import optimizer_rule
+
+    model, training = executor._user_model, executor._training
+    rule = hyper = loss_index = None
+    if training:
+        rule = optimizer_rule(executor._optimizer, {id(p): n for n, p in torch.nn.Module.named_parameters(model)})
+        hyper = rule.hyperparameters(executor._optimizer)
+        loss_index = find_loss(program, step_method=executor._step_method is not None)
+    return build(model, micro, schedule, executor._options, training, rule, hyper, loss_index,
+                 executor._step_method)
+
+
+def build(model: torch.nn.Module, micro: tuple, schedule: Schedule, options, training: bool,
+          rule=None, hyper=None, loss_index: int | None = None,
+          method: str | None = None) -> MultiIpuProgram | None:
+    """The multi-IPU program of ``model`` (or of its step ``method``) captured on the micro-batch
+    ``micro``, or None when its blocks all run on IPU 0 in one stage (the single-IPU step then
+    serves). Training needs the optimizer's ``rule``, its current ``hyper``-parameters (for their
+    shapes) and the index of the loss among the array results."""
+    strategy = _strategy(options)
+    target = model if method is None else capture.StepCall(model, method)
+    was_training = model.training
+    model.train(training)
+    try:
+        exported = capture.export(target, micro)
+    finally:
+        model.train(was_training)
+    part = partition(exported, strategy, prefix="" if method is None else "module.")
+    if len(part.stages) == 1 and part.stages[0].ipu == 0:
+        return None
+    pipelined = not isinstance(strategy, ShardedExecution)
+    _check_supported(options, hyper, training)
+    _check_stage_counts(part, schedule, training, pipelined)
+    check_ipu_count(part.num_ipus * schedule.replicas, options.auto_round_num_ipus)
+    devices = _devices(part.num_ipus, schedule.replicas)
+    settings = _Settings(training=training, pipelined=pipelined, schedule=schedule, loss_index=loss_index,
+                         recompute=_recomputation(options) if training else 0,
+                         offload=training and not options.TensorLocations.optimizer_on_chip,
+                         stages=len(part.stages))
+
+    leaves = torch_pytree.tree_leaves(tuple(micro))
+    input_avals = {i: jax.ShapeDtypeStruct((schedule.device_iterations, schedule.accumulation,
+                                            schedule.replicas, *leaf.shape), jax_dtype(leaf.dtype))
+                   for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
+    static_inputs = {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
+    params = {n: jax.ShapeDtypeStruct(tuple(p.shape), jax_dtype(p.dtype))
+              for n, p in torch.nn.Module.named_parameters(model)}
+    buffers = {n: jax.ShapeDtypeStruct(tuple(b.shape), jax_dtype(b.dtype))
+               for n, b in torch.nn.Module.named_buffers(model)}
+    stages = [_Stage(part, plan, [devices[r * part.num_ipus + plan.ipu] for r in range(schedule.replicas)],
+                     settings, params, buffers, input_avals, static_inputs, rule)
+              for plan in part.stages]
+    hyper_avals = None if hyper is None else jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), hyper)
+    usage = []
+    for stage in stages:
+        temporaries = stage.compile(hyper_avals)
+        usage.append(memory.StageMemory(
+            stage=stage.plan.index, ipu=stage.plan.ipu,
+            weights=_bytes(stage.param_avals) + _bytes(stage.buffer_avals),
+            optimizer=_bytes(jax.eval_shape(stage.rule.init, stage.param_avals)) if training else 0,
+            accumulators=_bytes(stage.zero_accumulator_avals()) if training else 0,
+            stash_per_micro_batch=stage.stash_bytes(),
+            stashed_micro_batches=stashed_micro_batches(stage.plan.index, len(stages), pipelined) if training else 0,
+            temporaries=max(temporaries.values(), default=0), optimizer_offloaded=settings.offload))
+    usage = memory.estimate(usage)
+    memory.check(usage, strategy.ipu_spec, strategy.memory_check)
+    layout = OutputLayout()
+    layout.split(torch_pytree.tree_unflatten(
+        [jnp.zeros(()) if isinstance(leaf, torch.fx.Node) else leaf for leaf in part.output_leaves],
+        part.out_spec))
+    log_names = () if method is None else tuple(c.name for c in target.recorder.calls if c.is_tensor)
+    dtypes = [node.meta["val"].dtype for node in part.array_outputs]
+    return MultiIpuProgram(part, stages, settings, layout, dtypes, rule, usage,
+                           sorted(input_avals), log_names)
