@@ -4,6 +4,7 @@ replication, output modes, weights, errors. fp32 tolerance: 1e-5 relative (1e-6 
 import copy
 import re
 
+import jax
 import pytest
 import torch
 import torch.nn.functional as F
@@ -374,3 +375,41 @@ def test_optimizer_state_round_trips_through_a_checkpoint():
     resumed_optimizer.load_state_dict(checkpoint["optimizer"])
     poptorch.trainingModel(resumed, poptorch.Options().deviceIterations(2), resumed_optimizer)(x[8:], y[8:])
     assert_params_equal(resumed, reference)
+
+
+def test_replicas_fold_onto_fewer_devices_with_the_same_numbers(monkeypatch):
+    import ipu_backend.runtime.devices as devices
+    available = jax.devices()[:2]
+    monkeypatch.setattr(devices.jax, "devices", lambda: available)
+    torch.manual_seed(12)
+    reference = Regression()
+    ipu = copy.deepcopy(reference)
+    x, y = data(8 * 2)
+    torch_steps(reference, zip(x.split(8), y.split(8)))
+    opts = poptorch.Options().deviceIterations(2).replicationFactor(8)
+    model = poptorch.trainingModel(ipu, opts, torch.optim.SGD(ipu.parameters(), lr=0.05))
+    with pytest.warns(UserWarning, match="8 replicas run on 2 JAX device"):
+        model(x, y)
+    assert_params_equal(ipu, reference)
+
+
+def test_batchnorm_statistics_are_per_replica_and_buffers_come_from_replica_zero():
+    torch.manual_seed(13)
+    reference = Normalised()
+    ipu = copy.deepcopy(reference)
+    x, y = data(2 * 3)                      # 2 replicas × micro-batch 3, one step
+    replicas = [copy.deepcopy(reference) for _ in range(2)]
+    grads = None
+    for replica, rows in zip(replicas, (slice(0, 3), slice(3, 6))):
+        replica(x[rows], y[rows])[1].backward()
+        step = [p.grad / 2 for p in replica.parameters()]
+        grads = step if grads is None else [g + s for g, s in zip(grads, step)]
+    with torch.no_grad():
+        for p, g in zip(reference.parameters(), grads):
+            p -= 0.05 * g
+    model = poptorch.trainingModel(ipu, poptorch.Options().replicationFactor(2),
+                                   torch.optim.SGD(ipu.parameters(), lr=0.05))
+    model(x, y)
+    assert_params_equal(ipu, reference)
+    for name, buffer in replicas[0].named_buffers():
+        torch.testing.assert_close(dict(ipu.named_buffers())[name], buffer, rtol=RTOL, atol=ATOL, msg=name)
