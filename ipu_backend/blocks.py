@@ -271,8 +271,12 @@ class PipelinedExecution:
         raise Error(f"Unknown block {block_id}")
 
     def __repr__(self) -> str:
-        inside = ", ".join(map(repr, self._stages)) if self._stages else f"AutoStage.{self._auto_stage.name}"
-        return f"{type(self).__name__}({inside})"
+        inside = [repr(s) for s in self._stages] if self._stages else [f"AutoStage.{self._auto_stage.name}"]
+        if self.ipu_spec != MK2:
+            inside.append(f"ipu_spec={self.ipu_spec!r}")
+        if self.memory_check != "error":
+            inside.append(f"memory_check={self.memory_check!r}")
+        return f"{type(self).__name__}({', '.join(inside)})"
 
 
 class ShardedExecution(PipelinedExecution):

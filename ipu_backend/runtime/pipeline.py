@@ -48,7 +48,14 @@ from ipu_backend.compiler import capture
 from ipu_backend.compiler.dtypes import jax_dtype
 from ipu_backend.errors import Error
 from ipu_backend.runtime import memory
-from ipu_backend.runtime.stages import Partition, StagePlan, partition, run_stage
+from ipu_backend.runtime.stages import (
+    Partition,
+    StagePlan,
+    partition,
+    run_stage,
+    sources_from_export,
+    sources_from_program,
+)
 from ipu_backend.runtime.step import REPLICA, OutputLayout, Schedule
 
 _RECOMPUTE_STAGES = (3, 4)      # PopART RecomputationType.Pipeline and RecomputeAll
@@ -618,26 +625,35 @@ def build_for(executor, micro: tuple, schedule: Schedule, program) -> MultiIpuPr
         rule = optimizer_rule(executor._optimizer, {id(p): n for n, p in torch.nn.Module.named_parameters(model)})
         hyper = rule.hyperparameters(executor._optimizer)
         loss_index = find_loss(program, step_method=executor._step_method is not None)
-    return build(model, micro, schedule, executor._options, training, rule, hyper, loss_index,
+    return build(model, program, micro, schedule, executor._options, training, rule, hyper, loss_index,
                  executor._step_method)
 
 
-def build(model: torch.nn.Module, micro: tuple, schedule: Schedule, options, training: bool,
-          rule=None, hyper=None, loss_index: int | None = None,
-          method: str | None = None) -> MultiIpuProgram | None:
-    """The multi-IPU program of ``model`` (or of its step ``method``) captured on the micro-batch
-    ``micro``, or None when its blocks all run on IPU 0 in one stage (the single-IPU step then
-    serves). Training needs the optimizer's ``rule``, its current ``hyper``-parameters (for their
-    shapes) and the index of the loss among the array results."""
-    strategy = _strategy(options)
+def _export(model, micro: tuple, training: bool, method: str | None):
     target = model if method is None else capture.StepCall(model, method)
     was_training = model.training
     model.train(training)
     try:
-        exported = capture.export(target, micro)
+        return capture.export(target, micro)
     finally:
         model.train(was_training)
-    part = partition(exported, strategy, prefix="" if method is None else "module.")
+
+
+def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, options, training: bool,
+          rule=None, hyper=None, loss_index: int | None = None,
+          method: str | None = None) -> MultiIpuProgram | None:
+    """The multi-IPU program of ``program``, the capture of ``model`` (or of its step ``method``)
+    on the micro-batch ``micro``, or None when its blocks all run on IPU 0 in one stage (the
+    single-IPU step then serves). Training needs the optimizer's ``rule``, its current
+    ``hyper``-parameters (for their shapes) and the index of the loss among the array results."""
+    strategy = _strategy(options)
+    prefix = "" if method is None else "module."
+    sources = sources_from_program(program, prefix)
+    graph_module = program.graph_module
+    if sources is None:          # lifted constants: their values come from a capture of our own
+        exported = _export(model, micro, training, method)
+        sources, graph_module = sources_from_export(exported, prefix), exported.graph_module
+    part = partition(graph_module, sources, program.mutated_buffers, program.output_spec, strategy)
     if len(part.stages) == 1 and part.stages[0].ipu == 0:
         return None
     pipelined = not isinstance(strategy, ShardedExecution)
@@ -680,7 +696,7 @@ def build(model: torch.nn.Module, micro: tuple, schedule: Schedule, options, tra
     layout.split(torch_pytree.tree_unflatten(
         [jnp.zeros(()) if isinstance(leaf, torch.fx.Node) else leaf for leaf in part.output_leaves],
         part.out_spec))
-    log_names = () if method is None else tuple(c.name for c in target.recorder.calls if c.is_tensor)
+    log_names = tuple(c.name for c in program.logs if c.is_tensor)
     dtypes = [node.meta["val"].dtype for node in part.array_outputs]
     return MultiIpuProgram(part, stages, settings, layout, dtypes, rule, usage,
                            sorted(input_avals), log_names)

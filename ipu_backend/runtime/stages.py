@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as torch_pytree
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import InputKind
 
 from ipu_backend.blocks import BLOCK_KEY, AutoStage, PipelinedExecution
 from ipu_backend.compiler import interpreter
@@ -60,7 +60,6 @@ class Partition:
     node_index: Mapping[str, int]     # node name -> position in the graph (its random key)
     forward_stages: int               # PopTorch's count: IPU switches in program order + 1
     num_ipus: int
-    in_spec: torch_pytree.TreeSpec
     out_spec: torch_pytree.TreeSpec
 
     @property
@@ -118,7 +117,31 @@ def _block_of(node: torch.fx.Node):
     return block
 
 
-def _sources(exported: torch.export.ExportedProgram, placeholders, prefix: str) -> dict[str, tuple]:
+def sources_from_program(program, prefix: str = "") -> dict[str, tuple] | None:
+    """Where each graph input comes from, read from the placeholders' export descriptors; None
+    when the graph has lifted tensor constants, whose values only the export holds."""
+    params = {spec.name for spec in program.params}
+    buffers = {spec.name for spec in program.buffers}
+    sources, user_index = {}, 0
+    for node in program.graph_module.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        target = getattr(node.meta.get("desc"), "target", None)
+        if target is None:
+            sources[node.name] = ("input", user_index)
+            user_index += 1
+        elif target[len(prefix):] in params:
+            sources[node.name] = ("param", target[len(prefix):])
+        elif target[len(prefix):] in buffers:
+            sources[node.name] = ("buffer", target[len(prefix):])
+        else:
+            return None
+    return sources
+
+
+def sources_from_export(exported: torch.export.ExportedProgram, prefix: str = "") -> dict[str, tuple]:
+    """Where each graph input comes from, per the export's graph signature."""
+    placeholders = [n for n in exported.graph_module.graph.nodes if n.op == "placeholder"]
     sources, user_index = {}, 0
     for spec, node in zip(exported.graph_signature.input_specs, placeholders):
         if spec.kind == InputKind.PARAMETER:
@@ -135,17 +158,14 @@ def _sources(exported: torch.export.ExportedProgram, placeholders, prefix: str) 
     return sources
 
 
-def partition(exported: torch.export.ExportedProgram, strategy: PipelinedExecution,
-              prefix: str = "") -> Partition:
-    """Split ``exported`` (decomposed, its nodes tagged with blocks) into stages. ``prefix`` is
-    stripped from parameter and buffer names (``"module."`` for a captured step method)."""
-    graph_module = exported.graph_module
+def partition(graph_module: torch.fx.GraphModule, sources: Mapping[str, tuple], mutated: tuple[str, ...],
+              out_spec: torch_pytree.TreeSpec, strategy: PipelinedExecution) -> Partition:
+    """Split ``graph_module`` (core ATen, its nodes tagged with blocks) into stages. ``sources``
+    says where each placeholder comes from; ``mutated`` names the buffers whose new values the
+    graph outputs first, ``out_spec`` is the structure of the user outputs that follow."""
     nodes = list(graph_module.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
-    sources = _sources(exported, placeholders, prefix)
     output = next(n for n in nodes if n.op == "output")
-    mutated = tuple(spec.target[len(prefix):] for spec in exported.graph_signature.output_specs
-                    if spec.kind == OutputKind.BUFFER_MUTATION)
     output_leaves = tuple(output.args[0][len(mutated):])
 
     assign = _StageAssigner(strategy)
@@ -238,8 +258,7 @@ def partition(exported: torch.export.ExportedProgram, strategy: PipelinedExecuti
         graph_module=graph_module, stages=tuple(stages), sources=sources,
         output_leaves=output_leaves, mutated_buffers=mutated, producer=producer,
         consumers=consumers, node_index={n.name: i for i, n in enumerate(nodes)},
-        forward_stages=switches + 1, num_ipus=max(len(ipus), max(ipus) + 1),
-        in_spec=exported.call_spec.in_spec, out_spec=exported.call_spec.out_spec)
+        forward_stages=switches + 1, num_ipus=max(len(ipus), max(ipus) + 1), out_spec=out_spec)
 
 
 def run_stage(part: Partition, stage: StagePlan, params: Mapping, buffers: Mapping,

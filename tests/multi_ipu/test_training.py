@@ -1,0 +1,99 @@
+"""Pipelined and sharded training equal plain torch (and so single-IPU) training: SGD with
+momentum, AdamW, BatchNorm; each stage's weights and optimizer state live on its IPU's device.
+fp32 tolerance: 1e-5 relative, 1e-6 absolute."""
+
+import jax
+import pytest
+import torch
+
+import ipu_backend as poptorch
+from ipu_backend.runtime.weights import weight_store
+from tests.multi_ipu.models import (
+    ATOL,
+    RTOL,
+    FourStagesWithSkip,
+    TwoStages,
+    assert_same_parameters,
+    regression_data,
+    torch_training,
+    twins,
+)
+
+STRATEGIES = {"pipelined": poptorch.PipelinedExecution, "sharded": poptorch.ShardedExecution}
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.02, weight_decay=0.1),
+}
+
+
+def options(strategy, accumulation=3, device_iterations=2):
+    opts = poptorch.Options().deviceIterations(device_iterations).outputMode(poptorch.OutputMode.All)
+    opts.Training.gradientAccumulation(accumulation)
+    return opts.setExecutionStrategy(strategy)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_two_stage_training_equals_torch(strategy, optimizer):
+    torch.manual_seed(0)
+    model, reference = twins(TwoStages(batch_norm=optimizer == "sgd"))
+    x, y = regression_data(2 * 2 * 3 * 4)                    # 2 calls × 2 iterations × 3 micro-batches of 4
+    expected_out, expected_loss = torch_training(reference, OPTIMIZERS[optimizer](reference.parameters()),
+                                                 x, y, accumulation=3, micro=4)
+    ipu = poptorch.trainingModel(model, options(STRATEGIES[strategy]("B1", "B2")),
+                                 OPTIMIZERS[optimizer](model.parameters()))
+    halves = [(x[:24], y[:24]), (x[24:], y[24:])]
+    results = [ipu(*half) for half in halves]
+    torch.testing.assert_close(torch.cat([out for out, _ in results]), expected_out, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(torch.cat([loss for _, loss in results]), expected_loss, rtol=RTOL, atol=ATOL)
+    assert_same_parameters(model, reference)
+
+
+def test_four_stages_with_a_skip_connection_and_auto_stages():
+    torch.manual_seed(1)
+    model, reference = twins(FourStagesWithSkip())
+    x = torch.randn(2 * 7 * 2, 5)
+    y = torch.randint(0, 5, (2 * 7 * 2,))
+    optimizer = torch.optim.AdamW
+    expected_out, expected_loss = torch_training(reference, optimizer(reference.parameters(), lr=0.01),
+                                                 x, y, accumulation=7, micro=2)
+    opts = options(poptorch.PipelinedExecution(*(poptorch.Stage(f"B{i + 1}").ipu(i) for i in range(4))),
+                   accumulation=7)
+    ipu = poptorch.trainingModel(model, opts, optimizer(model.parameters(), lr=0.01))
+    out, loss = ipu(x, y)
+    torch.testing.assert_close(out, expected_out, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    assert_same_parameters(model, reference)
+    assert set(ipu.ipuPlacement().values()) == {0, 1, 2, 3}
+
+
+def test_weights_and_optimizer_state_live_on_their_ipu():
+    model = TwoStages(batch_norm=True)
+    ipu = poptorch.trainingModel(model, options(poptorch.PipelinedExecution("B1", "B2")),
+                                 torch.optim.AdamW(model.parameters(), lr=0.01))
+    ipu(*regression_data(24))
+    placement = ipu.ipuPlacement()
+    assert placement == {"fc1.weight": 0, "fc1.bias": 0, "norm.weight": 0, "norm.bias": 0,
+                         "fc2.weight": 1, "fc2.bias": 1}
+    store = weight_store(model)
+    devices = jax.devices()
+    for name, ipu_index in placement.items():
+        assert store.params[name].devices() == {devices[ipu_index]}, name
+        for slot in ipu._opt_state[name].values():
+            assert slot.devices() == {devices[ipu_index]}, name
+    for name, buffer in store.buffers.items():
+        assert buffer.devices() == {devices[0]}, name
+
+
+def test_pipelined_inference_equals_torch_and_shares_trained_weights():
+    torch.manual_seed(2)
+    model = TwoStages()
+    ipu = poptorch.trainingModel(model, options(poptorch.PipelinedExecution("B1", "B2")),
+                                 torch.optim.SGD(model.parameters(), lr=0.1))
+    ipu(*regression_data(24))
+    opts = poptorch.Options().deviceIterations(4).setExecutionStrategy(poptorch.PipelinedExecution("B1", "B2"))
+    inference = poptorch.inferenceModel(model, opts)
+    x, _ = regression_data(12, seed=3)
+    with torch.no_grad():
+        expected = model(x)
+    torch.testing.assert_close(inference(x), expected, rtol=RTOL, atol=ATOL)
