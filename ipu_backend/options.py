@@ -263,6 +263,8 @@ class _PrecisionOptions(_OptionGroup):
 
     stochastic_rounding = _emulated(
         "stochastic_rounding", "Whether rounding to float16 is stochastic.")
+    master_weights = _emulated(
+        "master_weights", "Whether half-precision weights keep a float32 master copy for updates.")
     partials_type = _emulated(
         "partials_type",
         "dtype of matmul and convolution partial results: torch.float (default) or torch.half.")
@@ -290,6 +292,14 @@ class _PrecisionOptions(_OptionGroup):
     def enableStochasticRounding(self, enabled: bool) -> Self:
         """Round to float16 stochastically (on) or to nearest (off, the default)."""
         self._values["stochastic_rounding"] = _bool(enabled, "stochastic_rounding")
+        return self
+
+    @_unless_frozen
+    def enableMasterWeights(self, enabled: bool = True) -> Self:
+        """Beyond PopTorch: keep a float32 master copy of float16/bfloat16 weights on the device;
+        the optimizer updates the copy and the model computes with its rounding (to nearest, or
+        stochastic when that is enabled), so small updates are not lost to half precision."""
+        self._values["master_weights"] = _bool(enabled, "master_weights")
         return self
 
     @_unless_frozen
@@ -556,6 +566,7 @@ class Options(_OptionGroup):
             random_seed: int | None = None,
             auto_loss_scaling: bool = False,
             stochastic_rounding: bool = False,
+            master_weights: bool = False,
             partials_type: str = "float",
             optimizer_on_chip: bool = True,
             weights_on_chip: bool = True,
@@ -586,6 +597,7 @@ class Options(_OptionGroup):
         if random_seed is not None:
             self.randomSeed(random_seed)
         self.Precision.enableStochasticRounding(stochastic_rounding)
+        self.Precision.enableMasterWeights(master_weights)
         self.Precision.setPartialsType(partials_type)
         on_chip = {"optimizer": optimizer_on_chip, "weight": weights_on_chip,
                    "activation": activations_on_chip, "accumulator": accumulators_on_chip}

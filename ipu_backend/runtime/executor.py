@@ -22,7 +22,7 @@ from ipu_backend.runtime.devices import replica_mesh
 from ipu_backend.runtime.optimizers import optimizer_rule
 from ipu_backend.runtime.outputs import inputs_to_device, output_to_host
 from ipu_backend.runtime.stages import has_blocks
-from ipu_backend.runtime.step import OutputLayout, Schedule, inference_call, initial_scaler, training_call
+from ipu_backend.runtime.step import OutputLayout, Schedule, inference_call, initial_scaler, master_copy, training_call
 from ipu_backend.runtime.weights import release, weight_store
 
 logger = logging.getLogger("ipu_backend")
@@ -208,6 +208,8 @@ class PoplarExecutor:
 
     def copyWeightsToDevice(self) -> None:
         self._store.load_from_host()
+        if self._opt_state is not None and self._schedule().master_weights:
+            self._opt_state = {**self._opt_state, "master": master_copy(self._store.params)}
 
     def setOptimizer(self, optimizer) -> None:
         """Use ``optimizer``'s hyper-parameters from the next call on; they are program inputs,
@@ -270,7 +272,8 @@ class PoplarExecutor:
             output_mode=_OUTPUT_MODES[mode],
             output_period=opts.output_return_period or 1,
             dynamic_loss_scaling=self._training and opts.Training.auto_loss_scaling,
-            stochastic_rounding=opts.Precision.stochastic_rounding)
+            stochastic_rounding=opts.Precision.stochastic_rounding,
+            master_weights=self._training and opts.Precision.master_weights)
 
     def _micro_batch(self, args: tuple, schedule: Schedule) -> tuple:
         def first(x):
@@ -380,6 +383,8 @@ class PoplarExecutor:
                                   for p in g["params"])
             self._opt_state = (rule.state_from_torch(self._optimizer, params) if has_torch_state
                                else rule.init(params))
+            if self._schedule().master_weights:
+                self._opt_state = {"rule": self._opt_state, "master": master_copy(params)}
         return self._opt_state
 
     def _scaler_state(self, rule, hyper):
@@ -396,7 +401,8 @@ class PoplarExecutor:
     def _optimizer_state_to_host(self) -> None:
         compiled = next(iter(self._compiled.values()), None)
         if self._opt_state is not None and compiled is not None:
-            compiled.rule.state_to_torch(jax.device_get(self._opt_state), self._optimizer)
+            state = self._opt_state["rule"] if self._schedule().master_weights else self._opt_state
+            compiled.rule.state_to_torch(jax.device_get(state), self._optimizer)
 
     def _base_key(self):
         """Options.randomSeed when set, else a seed drawn from torch's generator (so

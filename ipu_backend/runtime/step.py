@@ -33,6 +33,7 @@ class Schedule:
     output_period: int = 1
     dynamic_loss_scaling: bool = False
     stochastic_rounding: bool = False
+    master_weights: bool = False
 
     @property
     def factor(self) -> int:
@@ -120,16 +121,30 @@ def _apply_if_finite(grads, scaler, new, old):
     return chosen, {"scale": scale, "good_steps": jnp.where(grow, 0, good)}
 
 
-def _update(rule, grads, opt_state, params, hyper, key, stochastic_rounding: bool):
-    """The optimizer step; half-precision weights are rounded stochastically when asked."""
-    if not stochastic_rounding:
+def _update(rule, grads, opt_state, params, hyper, key, schedule: Schedule):
+    """The optimizer step. Half-precision weights are updated in float32 — from their master
+    copy (kept in the optimizer state) when master weights are on — and rounded back to their
+    dtype, stochastically when asked."""
+    if not (schedule.master_weights or schedule.stochastic_rounding):
         return rule.update(grads, opt_state, params, hyper)
-    half = {n for n, p in params.items() if p.dtype in (jnp.float16, jnp.bfloat16)}
-    wide = {n: p.astype(jnp.float32) if n in half else p for n, p in params.items()}
-    new_params, opt_state = rule.update(grads, opt_state, wide, hyper)
-    keys = dict(zip(sorted(half), jax.random.split(key, max(1, len(half)))))
-    return ({n: stochastic_round(p, params[n].dtype, keys[n]) if n in half else p
-             for n, p in new_params.items()}, opt_state)
+    half = sorted(n for n, p in params.items() if p.dtype in (jnp.float16, jnp.bfloat16))
+    if schedule.master_weights:
+        rule_state, wide = opt_state["rule"], {**params, **opt_state["master"]}
+    else:
+        rule_state, wide = opt_state, {**params, **{n: params[n].astype(jnp.float32) for n in half}}
+    new_wide, rule_state = rule.update(grads, rule_state, wide, hyper)
+    keys = dict(zip(half, jax.random.split(key, max(1, len(half)))))
+    narrow = {n: stochastic_round(new_wide[n], params[n].dtype, keys[n]) if schedule.stochastic_rounding
+              else new_wide[n].astype(params[n].dtype) for n in half}
+    new_params = {**new_wide, **narrow}
+    if schedule.master_weights:
+        return new_params, {"rule": rule_state, "master": {n: new_wide[n] for n in half}}
+    return new_params, rule_state
+
+
+def master_copy(params: dict) -> dict:
+    """The float32 master copies of a model's half-precision weights."""
+    return {n: p.astype(jnp.float32) for n, p in params.items() if p.dtype in (jnp.float16, jnp.bfloat16)}
 
 
 def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, mesh,
@@ -176,7 +191,7 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
         (grads_sum, buffers), ys = _loop(accumulate, (zeros, buffers), (inputs, indices), schedule.accumulation)
         grads = jax.tree.map(lambda g: jax.lax.psum(g, REPLICA) / (scale_sum * loss_scale), grads_sum)
         new_params, new_opt_state = _update(rule, grads, opt_state, params, hyper,
-                                            jax.random.fold_in(key, schedule.accumulation), schedule.stochastic_rounding)
+                                            jax.random.fold_in(key, schedule.accumulation), schedule)
         if schedule.dynamic_loss_scaling:
             (new_params, new_opt_state), scaler = _apply_if_finite(
                 grads, scaler, (new_params, new_opt_state), (params, opt_state))

@@ -102,3 +102,26 @@ def test_stochastic_rounding_option_trains_half_weights():
     _, first = training(x.half(), labels)
     _, last = training(x.half(), labels)
     assert last < first
+
+
+class Scale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return poptorch.identity_loss(x * self.weight, "sum")
+
+
+@pytest.mark.parametrize("master_weights", [False, True])
+def test_master_weights_keep_updates_that_half_precision_would_lose(master_weights):
+    """Each step changes the weight by 1e-4, below half of float16's spacing at 1.0 (2^-11)."""
+    model = Scale().half()
+    opts = poptorch.Options(device_iterations=50, master_weights=master_weights)
+    training = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=1e-4))
+    training(torch.ones(50, 4).half())
+    expected = 1.0 - 50 * 1e-4                     # float32 weights would reach 0.995
+    if master_weights:
+        torch.testing.assert_close(model.weight.float(), torch.full((4,), expected), rtol=0, atol=2 ** -11)
+    else:
+        assert torch.equal(model.weight, torch.ones(4).half())
