@@ -36,10 +36,6 @@ class SampledCase(OpCase):
     check: Callable | None = None
 
 
-def nothing(dtype):
-    return ()
-
-
 def normal_samples(*shapes):
     return lambda dtype: tuple(torch.randn(*shape).to(dtype) for shape in shapes)
 
@@ -182,9 +178,15 @@ def normal_tensor_params(dtype):
     return mean.to(dtype), std.to(dtype)
 
 
-def integers(x):
+def integers(x, counts):
+    """Integer draws in torch's default int64, in int32, and in float dtypes (as ``like`` gives)."""
     return (torch.randint(10, SAMPLE_SHAPE), torch.randint(-3, 4, SAMPLE_SHAPE, dtype=torch.int32),
-            torch.randint_like(x, 7), torch.randint_like(x, 5, 9), torch.randint(2, 6, SAMPLE_SHAPE, dtype=x.dtype))
+            torch.randint_like(x, 7), torch.randint_like(counts, 5, 9),
+            torch.randint(2, 6, SAMPLE_SHAPE, dtype=torch.float16))
+
+
+def float_and_int_samples(dtype):
+    return torch.randn(*SAMPLE_SHAPE), torch.zeros(*SAMPLE_SHAPE, dtype=torch.int64)
 
 
 def bernoulli_probabilities(dtype):
@@ -203,25 +205,26 @@ def signed_samples(dtype):
 
 
 SAMPLED = [
-    SampledCase("uniform_family", uniform_family, normal_samples(SAMPLE_SHAPE), FLOATS, check=check_uniform_family,
+    SampledCase("uniform_family", uniform_family, normal_samples(SAMPLE_SHAPE), FLOATS,
+                check=check_uniform_family,
                 ops=(aten.rand.default, aten.rand.generator, aten.rand_like.default, aten.uniform.default)),
-    SampledCase("normal_family", normal_family, normal_samples(SAMPLE_SHAPE), (torch.float32, torch.bfloat16), check=check_normal_family,
+    SampledCase("normal_family", normal_family, normal_samples(SAMPLE_SHAPE), (torch.float32, torch.bfloat16),
+                check=check_normal_family,
                 ops=(aten.randn.default, aten.randn.generator, aten.randn_like.default, aten.normal.float_float,
                      aten.normal_functional.default)),
     SampledCase("normal_tensor_params",
                 lambda mean, std: (torch.normal(mean, std), torch.normal(mean, 2.0), torch.normal(1.0, std)),
                 normal_tensor_params, check=check_normal_tensor_params,
                 ops=(aten.normal.Tensor_Tensor, aten.normal.Tensor_float, aten.normal.float_Tensor)),
-    SampledCase("integers", integers, normal_samples(SAMPLE_SHAPE), (torch.float32, torch.int64),
-                check=check_integers,
+    SampledCase("integers", integers, float_and_int_samples, check=check_integers,
                 ops=(aten.randint.default, aten.randint.low, aten.randint_like.default,
                      aten.randint_like.low_dtype)),
-    SampledCase("bernoulli", bernoulli_family, bernoulli_probabilities, check=check_bernoulli, ops=(aten.bernoulli.p, aten.bernoulli.Tensor)),
+    SampledCase("bernoulli", bernoulli_family, bernoulli_probabilities, check=check_bernoulli,
+                ops=(aten.bernoulli.p, aten.bernoulli.Tensor)),
     SampledCase("exponential", lambda x: torch.empty_like(x).exponential_(2.0), normal_samples(SAMPLE_SHAPE),
                 check=check_exponential, ops=(aten.exponential.default,)),
     SampledCase("dropout", lambda x: torch.native_dropout(x, 0.3, True), normal_samples(SAMPLE_SHAPE),
-                (torch.float32, torch.float16),
-                check=check_dropout, ops=(aten.native_dropout.default,)),
+                (torch.float32, torch.float16), check=check_dropout, ops=(aten.native_dropout.default,)),
     SampledCase("rrelu_train", lambda x: F.rrelu(x, 0.1, 0.3, training=True), signed_samples,
                 check=check_rrelu, ops=(aten.rrelu_with_noise_functional.default,)),
     SampledCase("randperm", lambda x: (torch.randperm(50), torch.randperm(7, dtype=torch.int32)),
@@ -234,8 +237,7 @@ SAMPLED = [
 
 DETERMINISTIC = [
     OpCase("dropout_p0_is_identity", lambda x: torch.native_dropout(x, 0.0, True), normal_samples((4, 5)),
-           (torch.float32, torch.bfloat16),
-           ops=(aten.native_dropout.default,)),
+           (torch.float32, torch.bfloat16), ops=(aten.native_dropout.default,)),
     OpCase("dropout_p1_is_zero", lambda x: torch.native_dropout(x, 1.0, True),
            lambda dtype: (torch.tensor([[1.5, -2.0, 0.0], [float("inf"), float("nan"), -0.25]], dtype=dtype),),
            ops=(aten.native_dropout.default,)),

@@ -72,7 +72,7 @@ def batch_norm_functional(ctx, x, weight, bias, running_mean, running_var, train
         return (out, *_no_saved_stats(ctx), running_mean, running_var)
     out, mean, rstd, var = _batch_norm_with_batch_stats(x, weight, bias, eps)
     count = x.size // x.shape[1]
-    unbiased_var = var * (count / (count - 1))
+    unbiased_var = var * count / (count - 1)
     new_mean = (1 - momentum) * _opmath(running_mean) + momentum * mean
     new_var = (1 - momentum) * _opmath(running_var) + momentum * unbiased_var
     return out, mean, rstd, new_mean, new_var
