@@ -110,11 +110,12 @@ def check_integers(outputs, inputs, dtype):
 
 
 def check_bernoulli(outputs, inputs, dtype):
-    constant_p, tensor_p = outputs
+    constant_p, *tensor_p = outputs
     assert set(np.unique(constant_p)) <= {0.0, 1.0}
     assert_fraction(constant_p.mean(), 0.3, constant_p.size, "bernoulli(0.3)")
-    for row, p in enumerate((0.2, 0.9)):
-        assert_fraction(tensor_p[row].mean(), p, tensor_p[row].size, f"bernoulli row with p={p}")
+    for samples in tensor_p:
+        for row, p in enumerate((0.2, 0.9)):
+            assert_fraction(samples[row].mean(), p, samples[row].size, f"bernoulli row with p={p}")
 
 
 def check_exponential(outputs, inputs, dtype):
@@ -130,6 +131,16 @@ def check_dropout(outputs, inputs, dtype):
     assert_fraction(mask.mean(), 0.7, mask.size, "kept fraction")
     scaled = (x.float() * torch.tensor(1 / 0.7, dtype=torch.float32)).to(dtype).double().numpy()
     np.testing.assert_array_equal(output, np.where(mask.astype(bool), scaled, 0.0))
+
+
+def check_channel_dropout(outputs, inputs, dtype):
+    """``F.dropout2d``: whole channels kept (scaled by 2) or zeroed, about half of each."""
+    (output,) = outputs
+    x = inputs[0].double().numpy()
+    kept = np.all(output == 2 * x, axis=(2, 3))
+    dropped = np.all(output == 0, axis=(2, 3))
+    assert np.all(kept ^ dropped)
+    assert_fraction(kept.mean(), 0.5, kept.size, "kept channels")
 
 
 def check_rrelu(outputs, inputs, dtype):
@@ -195,7 +206,8 @@ def bernoulli_probabilities(dtype):
 
 
 def bernoulli_family(x, p):
-    return torch.bernoulli(x, 0.3), torch.empty_like(p).bernoulli_(p)
+    """``torch.bernoulli(p)`` itself decomposes to ``rand(...) < p``."""
+    return torch.bernoulli(x, 0.3), torch.empty_like(p).bernoulli_(p), torch.bernoulli(p)
 
 
 def signed_samples(dtype):
@@ -225,6 +237,8 @@ SAMPLED = [
                 check=check_exponential, ops=(aten.exponential.default,)),
     SampledCase("dropout", lambda x: torch.native_dropout(x, 0.3, True), normal_samples(SAMPLE_SHAPE),
                 (torch.float32, torch.float16), check=check_dropout, ops=(aten.native_dropout.default,)),
+    SampledCase("channel_dropout", lambda x: F.dropout2d(x, 0.5), normal_samples((50, 40, 3, 3)),
+                check=check_channel_dropout, ops=(aten.bernoulli.p,)),
     SampledCase("rrelu_train", lambda x: F.rrelu(x, 0.1, 0.3, training=True), signed_samples,
                 check=check_rrelu, ops=(aten.rrelu_with_noise_functional.default,)),
     SampledCase("randperm", lambda x: (torch.randperm(50), torch.randperm(7, dtype=torch.int32)),
