@@ -26,7 +26,7 @@ def line_of(marker: str) -> int:
 
 def run(program, module, *args, seed=0):
     params, buffers = program.state(module)
-    inputs = tuple(to_jax(a) if isinstance(a, torch.Tensor) else a for a in args)
+    inputs = torch.utils._pytree.tree_map(lambda a: to_jax(a) if isinstance(a, torch.Tensor) else a, args)
     return jax.jit(program.logged_fn)(params, buffers, inputs, jax.random.key(seed))
 
 
