@@ -90,6 +90,11 @@ def estimate(stages: Iterable[StageMemory]) -> list[IpuMemory]:
 
 
 def _mb(n: int) -> str:
+    """Bytes as a person reads them: ``512 B``, ``12.3 kB``, ``1,234.5 MB``."""
+    if n < 1_000:
+        return f"{n} B"
+    if n < MB:
+        return f"{n / 1_000:.1f} kB"
     return f"{n / MB:,.1f} MB"
 
 

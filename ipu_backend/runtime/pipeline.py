@@ -546,6 +546,14 @@ class MultiIpuProgram:
         return {"params": _merge(params), "buffers": _merge(buffers)}, self._gather_outputs(collected)
 
 
+def multi_ipu_program(executor) -> MultiIpuProgram | None:
+    """The multi-IPU program an executor last compiled (its placement and memory figures), or
+    None for a single-IPU model or before the first compilation."""
+    compiled = next(reversed(executor._compiled.values()), None) if executor._compiled else None
+    call = getattr(compiled, "call", None)
+    return call if isinstance(call, MultiIpuProgram) else None
+
+
 # --- building ----------------------------------------------------------------------------------
 def check_ipu_count(num_ipus: int, auto_round: bool) -> int:
     """PopTorch reserves a power of two IPUs: the count to reserve (rounded when allowed)."""
