@@ -69,6 +69,10 @@ def _select_outputs(ys, schedule: Schedule):
     return jax.tree.map(lambda y: y[-1:, -1:], ys)
 
 
+_ARRAY = object()
+"""Marks an array leaf in ``OutputLayout.static`` (None is a leaf value of its own)."""
+
+
 class OutputLayout:
     """Records, while tracing, which output leaves are arrays so the host can rebuild the rest."""
 
@@ -78,12 +82,12 @@ class OutputLayout:
 
     def split(self, outputs):
         leaves, self.spec = torch_pytree.tree_flatten(outputs)
-        self.static = [None if isinstance(leaf, jax.Array) else leaf for leaf in leaves]
+        self.static = [_ARRAY if isinstance(leaf, jax.Array) else leaf for leaf in leaves]
         return [leaf for leaf in leaves if isinstance(leaf, jax.Array)]
 
     def join(self, arrays):
         arrays = iter(arrays)
-        leaves = [next(arrays) if s is None else s for s in self.static]
+        leaves = [next(arrays) if s is _ARRAY else s for s in self.static]
         return torch_pytree.tree_unflatten(leaves, self.spec)
 
 
