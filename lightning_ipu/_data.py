@@ -1,0 +1,76 @@
+"""Lightning's dataloaders as ``ipu_backend.DataLoader``\\ s: one item is one host call.
+
+A map-style loader keeps its own batch sampler (its sampler, shuffling, generator and any user
+``BatchSampler``): the IPU loader concatenates ``device_iterations x replicas x
+gradient_accumulation`` of its consecutive batches into one combined batch. So with 4 replicas
+and ``batch_size=b`` each combined batch holds exactly the samples the same loader with
+``batch_size=4b`` would give, in the same order. An iterable dataset is batched by the combined
+batch size directly. Either way only whole combined batches are used (the IPU loader warns about
+what it drops), and no ``DistributedSampler`` is involved: the replicas share one host process.
+"""
+
+import warnings
+
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+
+import ipu_backend
+from ipu_backend.errors import Error
+
+_PASSED_THROUGH = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
+                   "multiprocessing_context", "generator", "persistent_workers")
+
+
+def micro_batches_per_call(options: ipu_backend.Options) -> int:
+    return (options.device_iterations * options.replication_factor
+            * options.Training.gradient_accumulation)
+
+
+def to_ipu_dataloader(dataloader: object, options: ipu_backend.Options, stage: str) -> object:
+    """``dataloader`` yielding combined batches for ``options`` (an IPU loader is kept as it is)."""
+    factor = micro_batches_per_call(options)
+    if isinstance(dataloader, ipu_backend.DataLoader):
+        given = micro_batches_per_call(dataloader.options)
+        if given != factor:
+            raise Error(
+                f"the {stage} ipu_backend.DataLoader combines {given} micro-batches per item, but "
+                f"the {stage} options run {factor} per call (device_iterations "
+                f"{options.device_iterations} x replication_factor {options.replication_factor} x "
+                f"gradient_accumulation {options.Training.gradient_accumulation}): build it with "
+                f"the strategy's options (trainer.strategy.{'training' if stage == 'train' else 'inference'}"
+                "_opts) or pass a torch DataLoader")
+        return dataloader
+    if not isinstance(dataloader, DataLoader):
+        raise Error(f"the {stage} dataloader is a {type(dataloader).__name__}; on IPUs it must be a "
+                    "torch.utils.data.DataLoader (or an ipu_backend.DataLoader), whose batches are "
+                    "combined for each host call")
+    kwargs = {name: getattr(dataloader, name) for name in _PASSED_THROUGH}
+    if dataloader.num_workers > 0:
+        kwargs["prefetch_factor"] = dataloader.prefetch_factor
+    if isinstance(dataloader.dataset, IterableDataset):
+        if dataloader.batch_size is None:
+            raise _unbatched(stage)
+        return ipu_backend.DataLoader(options, dataloader.dataset, batch_size=dataloader.batch_size,
+                                      drop_last=True, **kwargs)
+    batch_sampler = dataloader.batch_sampler
+    if batch_sampler is None:
+        raise _unbatched(stage)
+    return ipu_backend.DataLoader(options, dataloader.dataset, drop_last=True,
+                                  batch_sampler=_whole_micro_batches(batch_sampler, factor, stage),
+                                  **kwargs)
+
+
+def _whole_micro_batches(batch_sampler, factor: int, stage: str):
+    """``batch_sampler`` without its short last batch when several batches make a call (a call's
+    micro-batches must all have the same size)."""
+    if factor == 1 or type(batch_sampler) is not BatchSampler or batch_sampler.drop_last:
+        return batch_sampler
+    if len(batch_sampler.sampler) % batch_sampler.batch_size:
+        warnings.warn(f"the {stage} dataloader's last batch is short ({len(batch_sampler.sampler)} "
+                      f"samples in batches of {batch_sampler.batch_size}); it is dropped, since each "
+                      f"host call combines {factor} batches of the same size", stacklevel=4)
+    return BatchSampler(batch_sampler.sampler, batch_sampler.batch_size, drop_last=True)
+
+
+def _unbatched(stage: str) -> Error:
+    return Error(f"the {stage} dataloader has batch_size=None (no automatic batching); IPU calls "
+                 "need the micro-batch size to combine batches: give the DataLoader a batch_size")

@@ -1,0 +1,89 @@
+"""What one host call of a compiled step gives back, in the form Lightning expects.
+
+One Lightning batch is one host call: a combined batch of ``device_iterations x
+gradient_accumulation x replicas`` micro-batches. The executor returns each step output per
+micro-batch (those the output mode keeps), concatenated; Lightning wants what the step would have
+returned on the CPU for the whole combined batch:
+
+* an output whose first dimension is the micro-batch size (per-sample predictions, per-sample
+  losses) stays concatenated: it is exactly the CPU output for the combined batch;
+* any other output (a mean loss, a fixed-size statistic) is averaged over the returned
+  micro-batches when it is floating point, as a mean-reduced statistic of the combined batch is
+  on the CPU, and summed otherwise (counts);
+* a ``self.log`` value is reduced over the returned micro-batches with the call's ``reduce_fx``
+  (``"mean"`` by default, the value ``sync_dist=True`` gives with DDP).
+
+Which micro-batches are returned is the output mode's choice: the last one per replica for
+training's default (``OutputMode.Final``), every one for inference's (``OutputMode.All``).
+"""
+
+import ast
+import inspect
+import textwrap
+from collections.abc import Callable
+
+import torch
+import torch.utils._pytree as torch_pytree
+
+from ipu_backend.errors import Error
+
+_REDUCTIONS: dict = {"mean": torch.mean, "sum": torch.sum, "max": torch.max, "min": torch.min}
+
+
+def micro_shapes(program) -> list:
+    """Per-micro-batch shape of each leaf of the step's result (None for a constant leaf)."""
+    output = next(n for n in program.graph_module.graph.nodes if n.op == "output")
+    leaves = list(output.args[0][len(program.mutated_buffers):])
+    count = program.output_spec.child(0).num_leaves
+    return [leaf.meta["val"].shape if isinstance(leaf, torch.fx.Node) else None for leaf in leaves[:count]]
+
+
+def _combine(value, shape, micro_batch_size: int):
+    if shape is None or not isinstance(value, torch.Tensor):
+        return value
+    if len(shape) > 0 and shape[0] == micro_batch_size:
+        return value
+    per_micro = value.reshape(-1, *shape)
+    if per_micro.is_floating_point():
+        return per_micro.mean(0)
+    return per_micro.sum(0)
+
+
+def combine_outputs(result, program, micro_batch_size: int):
+    """The step's result for the whole combined batch (see the module docstring)."""
+    leaves, spec = torch_pytree.tree_flatten(result)
+    shapes = micro_shapes(program)
+    combined = [_combine(value, shape, micro_batch_size) for value, shape in zip(leaves, shapes)]
+    return torch_pytree.tree_unflatten(combined, spec)
+
+
+def reduce_logged(name: str, value: torch.Tensor, reduce_fx) -> torch.Tensor:
+    """One logged value from its per-micro-batch values, with ``self.log``'s ``reduce_fx``."""
+    if isinstance(reduce_fx, str):
+        if reduce_fx not in _REDUCTIONS:
+            raise Error(f"self.log({name!r}, ..., reduce_fx={reduce_fx!r}): use one of "
+                        f"{', '.join(_REDUCTIONS)} or a function of a tensor")
+        reduce_fx = _REDUCTIONS[reduce_fx]
+    flat = value.reshape(-1)
+    if reduce_fx is torch.mean and not flat.is_floating_point():
+        flat = flat.float()
+    return reduce_fx(flat)
+
+
+def reads_argument(method: Callable, index: int) -> bool:
+    """Whether the body of ``method`` (a bound method) reads its ``index``-th positional parameter.
+
+    When its source cannot be read, or the parameter is caught by ``*args``, it is assumed to."""
+    parameters = list(inspect.signature(method).parameters.values())
+    if index >= len(parameters) or parameters[index].kind not in (
+            inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        return True
+    name = parameters[index].name
+    try:
+        source = textwrap.dedent(inspect.getsource(method))
+    except (OSError, TypeError):
+        return True
+    function = ast.parse(source).body[0]
+    body = function.body if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) else [function]
+    return any(isinstance(node, ast.Name) and node.id == name
+               for statement in body for node in ast.walk(statement))

@@ -1,0 +1,427 @@
+"""``IPUStrategy``: Lightning's loops driving compiled steps on emulated IPUs.
+
+Like Lightning's XLA strategy it is thin: each step hook (``training_step``, ``validation_step``,
+``test_step``, ``predict_step``) calls an ``ipu_backend`` executor that compiled the
+LightningModule's method of the same name, once, with its ``self.log`` calls as program outputs.
+The executors of one run share the module's weights on the IPUs; the module (``state_dict``,
+checkpoints, callbacks) shows them whenever it is read.
+
+**One Lightning batch is one host call**: a combined batch of ``device_iterations x
+gradient_accumulation x replicas`` micro-batches of the dataloader's ``batch_size`` (see
+``_data.py``), on which the IPUs run ``device_iterations`` optimizer steps. So ``batch_idx``, the
+progress bar, ``limit_*_batches`` and ``val_check_interval`` count host calls, while
+``trainer.global_step``, ``max_steps`` and the step loggers record count optimizer steps
+(``device_iterations`` per batch; ``max_steps`` must be a multiple of it). With the defaults
+(``device_iterations=1``, no accumulation) a batch is one optimizer step on ``replicas x
+batch_size`` samples, as with DDP on that many devices. ``accumulate_grad_batches`` becomes the
+options' gradient accumulation: the loop sees one batch per optimizer step. Hyper-parameters
+(learning rate, ...) are read once per host call: a scheduler with ``interval="step"`` steps once per
+batch, i.e. every ``device_iterations`` optimizer steps (``trainer.estimated_stepping_batches``
+counts batches too).
+
+What a step returns and logs is reduced over the micro-batches of the call as ``_outputs.py``
+describes: ``self.log`` values with their ``reduce_fx`` (the mean by default) over the replicas
+and over the micro-batches the output mode returns (the last one by default in training, so a
+logged training value is the last optimizer step's; with ``output_mode="all"`` the mean over the
+call's device iterations).
+
+Options: user ``training_opts``/``inference_opts`` are used as given; otherwise they come from
+the Trainer (``devices`` -> replication factor, ``accumulate_grad_batches`` -> gradient
+accumulation), ``device_iterations`` and the global seed (``seed_everything``, else torch's
+initial seed), and ``16-mixed`` precision turns on dynamic loss scaling.
+"""
+
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from typing_extensions import override
+
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+import ipu_backend
+from ipu_backend.runtime.clipping import GradientClipping
+from ipu_backend.runtime.executor import PoplarExecutor
+from lightning_ipu import _data, _outputs
+
+from . import _lightning_hooks
+from .precision import IPUPrecision
+
+_HOST_TRANSFER_HOOKS = ("transfer_batch_to_device", "on_after_batch_transfer")
+
+
+def _as_options(value: Any, name: str) -> ipu_backend.Options | None:
+    if value is None or isinstance(value, ipu_backend.Options):
+        return value
+    if isinstance(value, Mapping):
+        return ipu_backend.Options.from_dict(value)
+    raise MisconfigurationException(f"IPUStrategy({name}=...) must be an ipu_backend.Options or a mapping "
+                                    f"of its keyword arguments; got {type(value).__name__}")
+
+
+def _default_seed() -> int:
+    """``seed_everything``'s seed, else torch's initial seed: the device's random numbers then
+    follow the same seeding as the host's."""
+    return int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed())) % 2**31
+
+
+def _check_replicas(replicas: int, auto_round: bool, where: str) -> None:
+    if replicas & (replicas - 1) and not auto_round:
+        raise MisconfigurationException(
+            f"{where}: {replicas} IPUs is not a power of two, which IPUs are reserved in. Use 1, 2, "
+            "4, 8, ... devices, or ask for rounding with Options(auto_round_num_ipus=True) in the "
+            "strategy's training_opts/inference_opts (the extra IPUs are reserved and idle)")
+
+
+class IPUStrategy(ParallelStrategy):
+    """Train, validate, test and predict on emulated IPUs (see the module docstring).
+
+    Args:
+        accelerator: the IPU accelerator (set by the Trainer from ``accelerator="ipu"``).
+        device_iterations: optimizer steps (or inference batches) per host call.
+        autoreport: write profiling reports (``Options.enableProfiling``) to ``autoreport_dir``
+            (default ``./autoreport``).
+        training_opts: ``ipu_backend.Options`` for training, or a mapping of its keyword
+            arguments; overrides the defaults taken from the Trainer.
+        inference_opts: the same for validation, test and predict.
+        precision_plugin: an :class:`~lightning_ipu.IPUPrecision` (else the Trainer's
+            ``precision`` flag picks one).
+        checkpoint_io: how checkpoints are written (Lightning's default: ``torch.save``).
+    """
+
+    strategy_name = "ipu_strategy"
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        device_iterations: int = 1,
+        autoreport: bool = False,
+        autoreport_dir: str | None = None,
+        training_opts: ipu_backend.Options | None = None,
+        inference_opts: ipu_backend.Options | None = None,
+        precision_plugin: Precision | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+    ) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=None, cluster_environment=None,
+                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        if isinstance(device_iterations, bool) or not isinstance(device_iterations, int) or device_iterations < 1:
+            raise MisconfigurationException(
+                f"IPUStrategy(device_iterations={device_iterations!r}) must be a positive int")
+        self.device_iterations = device_iterations
+        self.autoreport = autoreport
+        self.autoreport_dir = autoreport_dir
+        self._user_training_opts = _as_options(training_opts, "training_opts")
+        self._user_inference_opts = _as_options(inference_opts, "inference_opts")
+        self._training_opts: ipu_backend.Options | None = None
+        self._inference_opts: ipu_backend.Options | None = None
+        self._executors: dict[str, PoplarExecutor] = {}
+        self._reads_batch_idx: dict[str, bool] = {}
+        self._gradient_clipping: GradientClipping | None = None
+        self._trainer = None
+        self._accumulate_grad_batches: int | None = None
+
+    # --- one process, many replicas ----------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        """The host: batches, outputs and the module's copy of the weights live there."""
+        return torch.device("cpu")
+
+    @property
+    def is_distributed(self) -> bool:
+        """Replicas are emulated inside one process: no process group, no DistributedSampler."""
+        return False
+
+    @property
+    @override
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    @override
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    def num_nodes(self) -> int:
+        return 1
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        if num_nodes != 1:
+            raise MisconfigurationException(f"`Trainer(accelerator='ipu', num_nodes={num_nodes})`: emulated "
+                                            "IPUs run in one host process; leave num_nodes at 1")
+
+    def set_world_ranks(self) -> None:
+        """Called by the Trainer once ``devices`` is known: validate the number of replicas."""
+        options = self._user_training_opts or self._user_inference_opts
+        _check_replicas(len(self.parallel_devices), options is not None and options.auto_round_num_ipus,
+                        f"Trainer(accelerator='ipu', devices={len(self.parallel_devices)})")
+
+    @override
+    def reduce(self, tensor, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """Logged values are reduced over replicas on the device already (``reduce_fx``)."""
+        return tensor
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        """One process: nothing to wait for."""
+
+    @override
+    def broadcast(self, obj, src: int = 0):
+        return obj
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        return tensor
+
+    @override
+    def model_to_device(self) -> None:
+        """Weights reach the IPUs with the first compiled call."""
+
+    # --- options -----------------------------------------------------------------------------
+    @property
+    def training_opts(self) -> ipu_backend.Options | None:
+        """The training options in use (after setup), else the ones given."""
+        return self._training_opts or self._user_training_opts
+
+    @property
+    def inference_opts(self) -> ipu_backend.Options | None:
+        """The validation/test/predict options in use (after setup), else the ones given."""
+        return self._inference_opts or self._user_inference_opts
+
+    @property
+    def replicas(self) -> int:
+        options = self._training_opts or self._inference_opts
+        if options is not None:
+            return options.replication_factor
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    def _resolve_options(self, given: ipu_backend.Options | None, trainer, training: bool) -> ipu_backend.Options:
+        replicas = len(self.parallel_devices) if self.parallel_devices else 1
+        accumulation = trainer.accumulate_grad_batches if training else 1
+        if given is not None:
+            options = given.clone()
+            self._warn_if_overridden(options, replicas, accumulation, training)
+        else:
+            precision = self.precision_plugin
+            options = ipu_backend.Options(
+                device_iterations=self.device_iterations, replication_factor=replicas,
+                gradient_accumulation=accumulation,
+                auto_loss_scaling=training and isinstance(precision, IPUPrecision) and precision.loss_scaling)
+        if options.random_seed is None:
+            with torch.random.fork_rng(devices=[]):       # Options.randomSeed also seeds torch
+                options.randomSeed(_default_seed())
+        if self.autoreport and options.profiling_dir is None:
+            options.enableProfiling(self.autoreport_dir or os.path.join(os.getcwd(), "autoreport"))
+        _check_replicas(options.replication_factor, options.auto_round_num_ipus,
+                        f"IPUStrategy {'training' if training else 'inference'} options")
+        return options
+
+    def _warn_if_overridden(self, options, replicas: int, accumulation: int, training: bool) -> None:
+        which = "training_opts" if training else "inference_opts"
+        overridden = []
+        if replicas != 1 and options.replication_factor != replicas:
+            overridden.append(f"devices={replicas} (replication_factor={options.replication_factor})")
+        if training and accumulation != 1 and options.Training.gradient_accumulation != accumulation:
+            overridden.append(f"accumulate_grad_batches={accumulation} "
+                              f"(gradient_accumulation={options.Training.gradient_accumulation})")
+        if self.device_iterations != 1 and options.device_iterations != self.device_iterations:
+            overridden.append(f"device_iterations={self.device_iterations} "
+                              f"(device_iterations={options.device_iterations})")
+        if overridden:
+            warnings.warn(f"IPUStrategy({which}=...) decides over {', '.join(overridden)}", stacklevel=4)
+
+    # --- set-up and tear-down ----------------------------------------------------------------
+    @override
+    def setup(self, trainer) -> None:
+        module = self.lightning_module
+        self._trainer = trainer
+        self._check_hooks(module, trainer)
+        if not isinstance(self.precision_plugin, IPUPrecision):
+            raise MisconfigurationException(f"IPUStrategy needs an IPUPrecision plugin; got "
+                                            f"{type(self.precision_plugin).__name__}")
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._training_opts = self._resolve_options(self._user_training_opts, trainer, training=True)
+            self._accumulate_grad_batches = trainer.accumulate_grad_batches
+            trainer.accumulate_grad_batches = 1       # the IPUs accumulate inside each host call
+        self._inference_opts = self._resolve_options(self._user_inference_opts, trainer, training=False)
+        self.parallel_devices = [self.root_device] * self.replicas
+        self._executors = {}
+        super().setup(trainer)
+        if fitting:
+            self._check_training(trainer)
+
+    def _check_hooks(self, module, trainer) -> None:
+        for owner in (module, trainer.datamodule):
+            for hook in _HOST_TRANSFER_HOOKS:
+                if owner is not None and is_overridden(hook, owner):
+                    raise MisconfigurationException(
+                        f"{type(owner).__name__}.{hook} is overridden, but on IPUs Lightning does not "
+                        "move batches to a device: each host call hands the combined batch to the "
+                        "compiled step, which places the micro-batches on the replicas itself. Do "
+                        "that work in on_before_batch_transfer (on the host, before the call) or in "
+                        "the step")
+        if is_overridden("backward", module):
+            warnings.warn(f"{type(module).__name__}.backward is overridden but not called: on IPUs "
+                          "the backward pass is part of the compiled training step", stacklevel=3)
+
+    def _check_training(self, trainer) -> None:
+        module = self.lightning_module
+        if not module.automatic_optimization:
+            raise MisconfigurationException("manual optimization is not supported by IPUStrategy yet")
+        if isinstance(self.optimizers[0], torch.optim.LBFGS):
+            raise MisconfigurationException("LBFGS re-evaluates the loss inside step(), which a "
+                                            "compiled IPU training step cannot do; use another optimizer")
+        iterations = self._training_opts.device_iterations
+        if iterations > 1 and trainer.max_steps > 0 and trainer.max_steps % iterations and not trainer.fast_dev_run:
+            raise MisconfigurationException(
+                f"Trainer(max_steps={trainer.max_steps}) is not a multiple of device_iterations="
+                f"{iterations}: each batch runs {iterations} optimizer steps on the IPUs, so training "
+                f"could only stop after {-(-trainer.max_steps // iterations) * iterations}")
+        if iterations > 1 and trainer.log_every_n_steps % iterations and iterations % trainer.log_every_n_steps:
+            warnings.warn(f"log_every_n_steps={trainer.log_every_n_steps} counts optimizer steps, which "
+                          f"advance by device_iterations={iterations} per batch: metrics are logged when "
+                          "the count reaches a multiple of it; use a multiple or divisor of "
+                          f"{iterations}", stacklevel=3)
+        self._gradient_clipping = None
+        clip_val = trainer.gradient_clip_val
+        if clip_val is not None and clip_val > 0:
+            algorithm = GradClipAlgorithmType(trainer.gradient_clip_algorithm or "norm").value
+            self._gradient_clipping = GradientClipping(float(clip_val), algorithm)
+        self.precision_plugin.gradient_clipping = None if self._gradient_clipping is None else (
+            self._gradient_clipping.value, self._gradient_clipping.algorithm)
+
+    @override
+    def teardown(self) -> None:
+        for executor in self._executors.values():
+            executor.destroy()
+        self._executors = {}
+        if self._accumulate_grad_batches is not None:
+            self._trainer.accumulate_grad_batches = self._accumulate_grad_batches
+            self._accumulate_grad_batches = None
+        super().teardown()
+
+    # --- data --------------------------------------------------------------------------------
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Combined batches for the running stage's options (see ``_data.py``)."""
+        stage = self.lightning_module.trainer.state.stage
+        options = self._training_opts if stage == RunningStage.TRAINING else self._inference_opts
+        return _data.to_ipu_dataloader(dataloader, options, stage.dataloader_prefix)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Batches stay on the host: the compiled call splits them over the replicas."""
+        return batch
+
+    # --- steps -------------------------------------------------------------------------------
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            output = self._run("training_step", args, kwargs)
+        _lightning_hooks.count_extra_optimizer_steps(self._trainer, self._training_opts.device_iterations - 1)
+        return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._run("validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._run("test_step", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._run("predict_step", args, kwargs)
+
+    def _run(self, method: str, args: tuple, kwargs: dict) -> Any:
+        if kwargs:
+            raise MisconfigurationException(f"IPUStrategy.{method} takes the step's arguments "
+                                            f"positionally; got keywords {sorted(kwargs)}")
+        executor = self._executor(method)
+        factor = _data.micro_batches_per_call(executor.options)
+        args = self._with_batch_index(method, args, factor)
+        result = executor(*args)
+        program = executor.last_program
+        self._log(program, executor.last_logs)
+        return _outputs.combine_outputs(result, program, _micro_batch_size(args[0], factor))
+
+    def _executor(self, method: str) -> PoplarExecutor:
+        executor = self._executors.get(method)
+        if executor is None:
+            training = method == "training_step"
+            executor = PoplarExecutor(
+                self.lightning_module, self._training_opts if training else self._inference_opts,
+                training, optimizer=self.optimizers[0] if training else None, step_method=method,
+                gradient_clipping=self._gradient_clipping if training else None)
+            self._executors[method] = executor
+        return executor
+
+    def _with_batch_index(self, method: str, args: tuple, factor: int) -> tuple:
+        """``batch_idx`` as a constant 0 when the step never reads it (one program for every
+        batch), else as an int64 tensor of the call's micro-batches (``[batch_idx]`` in each)."""
+        if len(args) < 2 or isinstance(args[1], bool) or not isinstance(args[1], int):
+            return args
+        reads = self._reads_batch_idx.get(method)
+        if reads is None:
+            reads = self._reads_batch_idx[method] = _outputs.reads_argument(
+                getattr(self.lightning_module, method), 1)
+        batch_idx = torch.full((factor,), args[1], dtype=torch.int64) if reads else 0
+        return (args[0], batch_idx, *args[2:])
+
+    def _log(self, program, logged: dict) -> None:
+        """Hand each ``self.log`` of the compiled step to Lightning, with its concrete value."""
+        module = self.lightning_module
+        for call in program.logs:
+            if call.is_tensor:
+                value = _outputs.reduce_logged(call.name, logged[call.name], call.kwargs.get("reduce_fx", "mean"))
+            else:
+                value = call.constant
+            module.log(call.name, value, **call.kwargs)
+
+    # --- checkpoints -------------------------------------------------------------------------
+    def _weights_to_host(self) -> None:
+        for executor in self._executors.values():
+            executor.copyWeightsToHost()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._weights_to_host()
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """The optimizer's state as the IPUs have it (momentum, Adam moments, step counts)."""
+        self._weights_to_host()
+        return super().optimizer_state(optimizer)
+
+
+def _micro_batch_size(batch: Any, factor: int) -> int | None:
+    tensors = [leaf for leaf in torch.utils._pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
+    if not tensors or tensors[0].ndim == 0:
+        return None
+    return tensors[0].shape[0] // factor

@@ -1,0 +1,104 @@
+"""Trainer(accelerator="ipu") against the same LightningModule trained by Lightning on the CPU:
+weights, logged values and loop behaviour. fp32: 1e-5 relative (1e-6 absolute)."""
+
+import logging
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_ipu import IPUStrategy
+from tests.lightning.helpers import (
+    QUIET,
+    Recorder,
+    assert_same_metrics,
+    assert_same_weights,
+    dataset,
+    loader,
+    twins,
+)
+
+
+def fit_pair(ipu_module, cpu_module, ipu_batch, cpu_batch, data=None, val=True, ipu_args=None, **trainer_args):
+    data = data or dataset()
+    runs = []
+    for module, batch, accelerator_args in ((ipu_module, ipu_batch, {"accelerator": "ipu", **(ipu_args or {})}),
+                                            (cpu_module, cpu_batch, {"accelerator": "cpu"})):
+        recorder = Recorder()
+        trainer = pl.Trainer(callbacks=[recorder], **accelerator_args, **{**QUIET, **trainer_args})
+        trainer.fit(module, loader(data, batch), loader(data, batch) if val else None)
+        runs.append((trainer, recorder))
+    return runs
+
+
+def test_four_replicas_with_batch_b_equal_the_cpu_with_batch_4b_in_all_four_loops():
+    ipu, cpu = twins()
+    (ipu_trainer, ipu_rec), (cpu_trainer, cpu_rec) = fit_pair(
+        ipu, cpu, 4, 16, ipu_args={"devices": 4}, max_epochs=2, num_sanity_val_steps=1)
+    assert ipu_trainer.num_devices == 4 and ipu_trainer.strategy.replicas == 4
+    assert_same_weights(ipu, cpu)
+    assert ipu_trainer.global_step == cpu_trainer.global_step == 8
+    assert_same_metrics(ipu_trainer.callback_metrics, cpu_trainer.callback_metrics,
+                        ["train_loss", "val_loss", "val_max_error"])
+    assert set(ipu_trainer.progress_bar_metrics) == set(cpu_trainer.progress_bar_metrics)
+    torch.testing.assert_close(torch.stack(ipu_rec.losses), torch.stack(cpu_rec.losses), rtol=1e-5, atol=1e-6)
+    assert ipu_rec.outputs[0].keys() == {"loss"} and ipu_rec.outputs[0]["loss"].shape == ()
+    assert ipu_rec.validations == cpu_rec.validations == 3       # sanity check + 2 epochs
+
+    data = dataset(32, seed=1)
+    for stage in ("validate", "test"):
+        got = getattr(ipu_trainer, stage)(ipu, loader(data, 4), verbose=False)
+        expected = getattr(cpu_trainer, stage)(cpu, loader(data, 16), verbose=False)
+        assert got[0].keys() == expected[0].keys()
+        for name in got[0]:
+            assert got[0][name] == pytest.approx(expected[0][name], rel=1e-5, abs=1e-6), name
+    got = ipu_trainer.predict(ipu, loader(data, 4))
+    expected = cpu_trainer.predict(cpu, loader(data, 16))
+    assert [p.shape for p in got] == [p.shape for p in expected] == [(16, 2), (16, 2)]
+    torch.testing.assert_close(torch.cat(got), torch.cat(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_accumulate_grad_batches_accumulates_on_the_ipus_with_the_cpu_numbers():
+    ipu, cpu = twins()
+    (ipu_trainer, ipu_rec), (cpu_trainer, cpu_rec) = fit_pair(
+        ipu, cpu, 4, 8, val=False, ipu_args={"devices": 2}, max_epochs=1, accumulate_grad_batches=2)
+    assert_same_weights(ipu, cpu)
+    assert ipu_trainer.global_step == cpu_trainer.global_step == 4
+    assert ipu_trainer.accumulate_grad_batches == 2, "the Trainer's flag is given back after fit"
+    assert ipu_trainer.strategy.training_opts.Training.gradient_accumulation == 2
+    # One IPU batch holds both micro-batches of a step; its logged loss is the last one's.
+    torch.testing.assert_close(torch.stack(ipu_rec.losses), torch.stack(cpu_rec.losses[1::2]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("algorithm, value", [("norm", 0.05), ("value", 0.01)])
+def test_gradient_clipping_happens_inside_the_compiled_step(algorithm, value):
+    ipu, cpu = twins()
+    fit_pair(ipu, cpu, 8, 16, val=False, ipu_args={"devices": 2}, max_steps=3,
+             gradient_clip_val=value, gradient_clip_algorithm=algorithm)
+    assert_same_weights(ipu, cpu)
+
+
+def test_lr_schedulers_step_and_epoch_intervals_change_the_lr_without_recompiling(caplog):
+    ipu, cpu = twins(schedulers=(("step", "step"), ("exponential", "epoch")))
+    with caplog.at_level(logging.INFO, logger="ipu_backend"):
+        (_, ipu_rec), (_, cpu_rec) = fit_pair(ipu, cpu, 16, 16, data=dataset(48), val=False, max_epochs=2)
+    assert_same_weights(ipu, cpu)
+    assert ipu_rec.lrs == pytest.approx(cpu_rec.lrs) and len(set(ipu_rec.lrs)) > 3
+    assert sum("compiled the training program" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_device_iterations_run_several_optimizer_steps_per_batch_and_count_them():
+    ipu, cpu = twins()
+    cpu_recorder = Recorder()
+    cpu_trainer = pl.Trainer(accelerator="cpu", max_steps=6, callbacks=[cpu_recorder], **QUIET)
+    cpu_trainer.fit(cpu, loader(dataset(), 8))
+    recorder = Recorder()
+    trainer = pl.Trainer(accelerator="ipu", devices=2, strategy=IPUStrategy(device_iterations=3),
+                         max_steps=6, callbacks=[recorder], log_every_n_steps=3, **QUIET)
+    trainer.fit(ipu, loader(dataset(), 4))
+    assert_same_weights(ipu, cpu)
+    assert trainer.global_step == cpu_trainer.global_step == 6
+    assert recorder.steps == [3, 6]                 # two host calls of three optimizer steps
+    # The loss logged for a host call is its last optimizer step's.
+    torch.testing.assert_close(torch.stack(recorder.losses), torch.stack(cpu_recorder.losses[2::3]),
+                               rtol=1e-5, atol=1e-6)
