@@ -62,12 +62,12 @@ def to_ipu_dataloader(dataloader: object, options: ipu_backend.Options, stage: s
 def _whole_micro_batches(batch_sampler, factor: int, stage: str):
     """``batch_sampler`` without its short last batch when several batches make a call (a call's
     micro-batches must all have the same size)."""
-    if factor == 1 or type(batch_sampler) is not BatchSampler or batch_sampler.drop_last:
+    if factor == 1 or type(batch_sampler) is not BatchSampler or batch_sampler.drop_last \
+            or len(batch_sampler.sampler) % batch_sampler.batch_size == 0:
         return batch_sampler
-    if len(batch_sampler.sampler) % batch_sampler.batch_size:
-        warnings.warn(f"the {stage} dataloader's last batch is short ({len(batch_sampler.sampler)} "
-                      f"samples in batches of {batch_sampler.batch_size}); it is dropped, since each "
-                      f"host call combines {factor} batches of the same size", stacklevel=4)
+    warnings.warn(f"the {stage} dataloader's last batch is short ({len(batch_sampler.sampler)} "
+                  f"samples in batches of {batch_sampler.batch_size}); it is dropped, since each "
+                  f"host call combines {factor} batches of the same size", stacklevel=4)
     return BatchSampler(batch_sampler.sampler, batch_sampler.batch_size, drop_last=True)
 
 

@@ -1,0 +1,99 @@
+"""Everything the IPU strategy cannot do fails with a message that says why and what to do."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+import ipu_backend
+from lightning_ipu import IPUStrategy
+from tests.lightning.helpers import QUIET, Regressor, dataset, loader
+
+
+def fit(module, data=None, batch_size=4, **flags):
+    flags = {"accelerator": "ipu", "max_steps": 2, **flags}
+    pl.Trainer(**QUIET, **flags).fit(module, data if data is not None else loader(dataset(), batch_size))
+
+
+class MovesBatches(Regressor):
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        return batch
+
+
+class EditsBatchesAfterTransfer(Regressor):
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        return batch
+
+
+@pytest.mark.parametrize("module, hook", [(MovesBatches(), "transfer_batch_to_device"),
+                                          (EditsBatchesAfterTransfer(), "on_after_batch_transfer")])
+def test_overriding_device_transfer_hooks_is_refused(module, hook):
+    with pytest.raises(MisconfigurationException, match=rf"{hook} is overridden.*on_before_batch_transfer"):
+        fit(module)
+
+
+class UsesLBFGS(Regressor):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters())
+
+
+def test_lbfgs_is_refused():
+    with pytest.raises(MisconfigurationException, match="LBFGS re-evaluates the loss"):
+        fit(UsesLBFGS())
+
+
+def test_max_steps_must_be_a_multiple_of_device_iterations():
+    with pytest.raises(MisconfigurationException, match=r"max_steps=5\) is not a multiple of device_iterations=2"):
+        fit(Regressor(), strategy=IPUStrategy(device_iterations=2), max_steps=5)
+
+
+class NotADataLoader:
+    def __iter__(self):
+        return iter([(torch.randn(4, 4), torch.randn(4, 2))])
+
+    def __len__(self):
+        return 1
+
+
+@pytest.mark.parametrize("data, message", [
+    (NotADataLoader(), "the train dataloader is a NotADataLoader"),
+    (loader(dataset(), None), "batch_size=None"),
+    (ipu_backend.DataLoader(ipu_backend.Options(device_iterations=2), dataset(), batch_size=4),
+     "combines 2 micro-batches per item, but the train options run 1"),
+])
+def test_dataloaders_that_cannot_make_combined_batches_are_refused(data, message):
+    with pytest.raises(ipu_backend.Error, match=message):
+        fit(Regressor(), data)
+
+
+class ClipsItsOwnWay(Regressor):
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="value")
+
+
+def test_clipping_other_than_the_trainer_flags_is_refused():
+    with pytest.raises(MisconfigurationException, match=r"differs from what the IPU training step was "
+                                                        r"compiled with \(no clipping\)"):
+        fit(ClipsItsOwnWay())
+
+
+class BranchesOnBatchIdx(Regressor):
+    def training_step(self, batch, batch_idx):
+        if batch_idx % 2:
+            return super().training_step(batch, batch_idx) * 2
+        return super().training_step(batch, batch_idx)
+
+
+def test_python_branching_on_batch_idx_explains_the_traced_step():
+    with pytest.raises(ipu_backend.Error, match="branches on the value of a tensor"):
+        fit(BranchesOnBatchIdx())
+
+
+class ReturnsNothing(Regressor):
+    def training_step(self, batch, batch_idx):
+        super().training_step(batch, batch_idx)
+
+
+def test_a_training_step_without_a_loss_is_refused():
+    with pytest.raises(ipu_backend.Error, match="training_step must return the loss"):
+        fit(ReturnsNothing())
