@@ -1,6 +1,13 @@
-"""Lowerings: linalg."""
+"""Lowerings: matrix products (mm, bmm, addmm, addmv, addbmm, _trilinear).
+
+torch.matmul, F.linear, einsum, baddbmm, mv, dot, outer and addr decompose to these (or to
+view/permute/mul/sum) before they reach us.
+"""
+
+import string
 
 import jax.numpy as jnp
+from jax import lax
 import torch
 
 from ipu_backend.compiler.registry import lowering
@@ -8,6 +15,72 @@ from ipu_backend.compiler.registry import lowering
 aten = torch.ops.aten
 
 
+def accumulation_dtype(dtype):
+    """float32 for half-precision floats (torch's CPU kernels accumulate and round once, in
+    float32), else None: the inputs' own dtype."""
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+        return jnp.float32
+    return None
+
+
+def einsum(subscripts, *operands):
+    """``jnp.einsum`` at full float32 precision on every backend (no TF32 or bf16 passes, which
+    torch's CPU numbers do not have), accumulating half precision in float32."""
+    return jnp.einsum(subscripts, *operands, precision=lax.Precision.HIGHEST,
+                      preferred_element_type=accumulation_dtype(operands[0].dtype))
+
+
+def _scaled_sum(bias, product, beta, alpha):
+    """``beta * bias + alpha * product``; beta == 0 ignores bias entirely, so NaN or inf in it
+    do not propagate (torch's documented addmm/addmv/addbmm semantics)."""
+    if alpha != 1:
+        product = alpha * product
+    if beta == 0:
+        return jnp.broadcast_to(product, product.shape)
+    bias = bias.astype(product.dtype)
+    return product + (bias if beta == 1 else beta * bias)
+
+
+@lowering(aten.mm.default)
+def mm(ctx, x, y):
+    return einsum("ij,jk->ik", x, y)
+
+
+@lowering(aten.bmm.default)
+def bmm(ctx, x, y):
+    return einsum("bij,bjk->bik", x, y)
+
+
 @lowering(aten.addmm.default)
 def addmm(ctx, bias, x, y, beta=1, alpha=1):
-    return beta * bias + alpha * (x @ y) if (beta, alpha) != (1, 1) else bias + x @ y
+    return _scaled_sum(bias, einsum("ij,jk->ik", x, y), beta, alpha)
+
+
+@lowering(aten.addmv.default)
+def addmv(ctx, bias, matrix, vector, beta=1, alpha=1):
+    return _scaled_sum(bias, einsum("ij,j->i", matrix, vector), beta, alpha)
+
+
+@lowering(aten.addbmm.default)
+def addbmm(ctx, bias, x, y, beta=1, alpha=1):
+    return _scaled_sum(bias, einsum("bij,bjk->ik", x, y), beta, alpha)
+
+
+@lowering(aten._trilinear.default)
+def trilinear(ctx, x1, x2, x3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """``sum(x1' * x2' * x3', sumdim)`` where each ``xi'`` is ``xi`` unsqueezed at ``expandi``
+    (F.bilinear becomes this). Like torch, contract x1 with x2 first over the summed dims x3
+    lacks, round that to the inputs' dtype, then contract with x3."""
+    letters = string.ascii_letters[:x1.ndim + len(expand1)]
+
+    def subscript(expanded):
+        return "".join(letter for dim, letter in enumerate(letters) if dim not in expanded)
+
+    s1, s2, s3 = subscript(expand1), subscript(expand2), subscript(expand3)
+    summed = {letters[dim] for dim in sumdim}
+    s12 = "".join(letter for letter in letters
+                  if letter in s1 + s2 and (letter in s3 or letter not in summed))
+    out = "".join(letter for letter in letters
+                  if letter in s12 + s3 and letter not in summed)
+    pair = einsum(f"{s1},{s2}->{s12}", x1, x2).astype(x1.dtype)
+    return jnp.reshape(einsum(f"{s12},{s3}->{out}", pair, x3), ctx.out.shape)

@@ -1,0 +1,84 @@
+"""Matrix-product lowerings against torch: mm, bmm, addmm, addmv, addbmm, _trilinear, and what
+torch.matmul, F.linear, einsum, baddbmm and F.bilinear decompose to.
+
+Half-precision products accumulate in float32 and round once on both sides, so the harness's
+default fp16/bf16 tolerances hold.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.compiler.harness import OpCase, case_params, check_case
+
+aten = torch.ops.aten
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+INTEGERS = (torch.int64, torch.int32)
+
+
+def randn(*shapes):
+    return lambda dtype: tuple(torch.randn(s).to(dtype) for s in shapes)
+
+
+def randint(*shapes):
+    return lambda dtype: tuple(torch.randint(-5, 6, s, dtype=dtype) for s in shapes)
+
+
+def nan_bias_then_randn(bias_shape, *shapes):
+    """A bias full of NaN, which beta=0 must ignore, then normal inputs."""
+    return lambda dtype: (torch.full(bias_shape, float("nan"), dtype=dtype),
+                          *randn(*shapes)(dtype))
+
+
+CASES = [
+    OpCase("mm", torch.mm, randn((3, 4), (4, 5)), FLOATS, ops=(aten.mm.default,)),
+    OpCase("mm_transposed_operands", lambda x, y: torch.mm(x.t(), y.t()), randn((6, 3), (5, 6)),
+           ops=(aten.mm.default, aten.permute.default)),
+    OpCase("mm_integer", torch.mm, randint((3, 4), (4, 2)), INTEGERS, ops=(aten.mm.default,)),
+    OpCase("bmm", torch.bmm, randn((2, 3, 4), (2, 4, 5)), FLOATS, ops=(aten.bmm.default,)),
+    OpCase("bmm_integer", torch.bmm, randint((2, 3, 4), (2, 4, 2)), INTEGERS,
+           ops=(aten.bmm.default,)),
+    OpCase("addmm", torch.addmm, randn((3, 5), (3, 4), (4, 5)), ops=(aten.addmm.default,)),
+    OpCase("addmm_beta_alpha_broadcast_bias",
+           lambda b, x, y: torch.addmm(b, x, y, beta=0.5, alpha=-2.0),
+           randn((5,), (3, 4), (4, 5)), FLOATS, ops=(aten.addmm.default,)),
+    OpCase("addmm_column_bias", lambda b, x, y: torch.addmm(b, x, y, alpha=3.0),
+           randn((3, 1), (3, 4), (4, 5)), ops=(aten.addmm.default,)),
+    OpCase("addmm_beta_zero_ignores_nan_bias", lambda b, x, y: torch.addmm(b, x, y, beta=0),
+           nan_bias_then_randn((3, 5), (3, 4), (4, 5)), ops=(aten.addmm.default,)),
+    OpCase("addmm_integer", lambda b, x, y: torch.addmm(b, x, y, beta=2, alpha=3),
+           randint((5,), (3, 4), (4, 5)), INTEGERS, ops=(aten.addmm.default,)),
+    OpCase("addmv", lambda b, m, v: torch.addmv(b, m, v, beta=1.5, alpha=0.5),
+           randn((3,), (3, 4), (4,)), FLOATS, ops=(aten.addmv.default,)),
+    OpCase("addmv_scalar_bias", torch.addmv, randn((), (3, 4), (4,)), ops=(aten.addmv.default,)),
+    OpCase("addmv_beta_zero_ignores_nan_bias", lambda b, m, v: torch.addmv(b, m, v, beta=0),
+           nan_bias_then_randn((3,), (3, 4), (4,)), ops=(aten.addmv.default,)),
+    OpCase("addbmm", lambda b, x, y: torch.addbmm(b, x, y, beta=0.5, alpha=2.0),
+           randn((3, 5), (2, 3, 4), (2, 4, 5)), FLOATS, ops=(aten.addbmm.default,)),
+    OpCase("baddbmm", lambda b, x, y: torch.baddbmm(b, x, y, beta=0.5, alpha=2.0),
+           randn((2, 3, 5), (2, 3, 4), (2, 4, 5)), ops=(aten.bmm.default,)),
+    OpCase("linear", F.linear, randn((3, 4), (5, 4), (5,)), FLOATS,
+           ops=(aten.addmm.default, aten.permute.default)),
+    OpCase("linear_no_bias", F.linear, randn((3, 4), (5, 4)), ops=(aten.mm.default,)),
+    OpCase("linear_batched_input", F.linear, randn((2, 3, 4), (5, 4), (5,)),
+           ops=(aten.addmm.default, aten.view.default)),
+    OpCase("matmul_batched_by_matrix", torch.matmul, randn((2, 3, 4), (4, 5)),
+           ops=(aten.mm.default,)),
+    OpCase("matmul_broadcast_batches", torch.matmul, randn((2, 1, 3, 4), (5, 4, 6)),
+           ops=(aten.bmm.default, aten.expand.default)),
+    OpCase("matmul_vector_by_matrix", torch.matmul, randn((4,), (4, 6)), ops=(aten.mm.default,)),
+    OpCase("einsum_batched", lambda a, b: torch.einsum("bij,bjk->bik", a, b),
+           randn((2, 3, 4), (2, 4, 5)), ops=(aten.bmm.default,)),
+    OpCase("einsum_contract_two_dims", lambda a, b: torch.einsum("bij,cji->bc", a, b),
+           randn((2, 3, 4), (5, 4, 3)), ops=(aten.bmm.default,)),
+    # Gradients sum products of magnitude ~10 whose half-precision intermediates torch's
+    # _trilinear backward rounds in its own order: absolute errors within one ulp at that scale.
+    OpCase("bilinear", F.bilinear, randn((3, 4), (3, 5), (6, 4, 5), (6,)), FLOATS,
+           tolerances={torch.float16: (1e-2, 1e-2), torch.bfloat16: (2e-2, 6e-2)},
+           ops=(aten._trilinear.default,)),
+]
+
+
+@pytest.mark.parametrize("case,dtype", case_params(CASES))
+def test_linalg(case, dtype):
+    check_case(case, dtype)
