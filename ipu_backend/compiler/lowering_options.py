@@ -1,0 +1,51 @@
+"""Choices a lowering makes that change speed but not the numbers, set around a trace.
+
+Lowerings run while JAX traces a program, so the options in force at trace time are the ones
+compiled in::
+
+    with lowering_options(conv_algorithm="im2col"):
+        jax.jit(step).lower(...)
+
+``conv_algorithm``: ``"xla"`` lowers ``aten.convolution`` to ``lax.conv_general_dilated``, which
+XLA:CPU runs fast at a program's top level; ``"im2col"`` lowers it to static slices and one
+matrix product, which stays fast inside a ``lax.scan`` where XLA:CPU's convolution falls back
+to a slow generic loop. Both give torch's numbers.
+"""
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+from typing import Literal
+
+ConvAlgorithm = Literal["xla", "im2col"]
+CONV_ALGORITHMS = ("xla", "im2col")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweringOptions:
+    conv_algorithm: ConvAlgorithm = "xla"
+
+    def __post_init__(self):
+        if self.conv_algorithm not in CONV_ALGORITHMS:
+            raise ValueError(f"conv_algorithm must be one of {CONV_ALGORITHMS}, "
+                             f"not {self.conv_algorithm!r}")
+
+
+_CURRENT = contextvars.ContextVar("lowering_options", default=LoweringOptions())
+
+
+def current_options() -> LoweringOptions:
+    """The options lowerings traced now should follow."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def lowering_options(**changes) -> Iterator[LoweringOptions]:
+    """Trace with the current options changed by ``changes`` (restored on exit)."""
+    options = dataclasses.replace(current_options(), **changes)
+    token = _CURRENT.set(options)
+    try:
+        yield options
+    finally:
+        _CURRENT.reset(token)
