@@ -102,3 +102,23 @@ def test_device_iterations_run_several_optimizer_steps_per_batch_and_count_them(
     # The loss logged for a host call is its last optimizer step's.
     torch.testing.assert_close(torch.stack(recorder.losses), torch.stack(cpu_recorder.losses[2::3]),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_limits_val_check_interval_and_max_steps_behave_as_on_the_cpu():
+    ipu, cpu = twins()
+    flags = dict(limit_train_batches=5, limit_val_batches=2, val_check_interval=2, max_steps=7,
+                 num_sanity_val_steps=0)
+    (ipu_trainer, ipu_rec), (cpu_trainer, cpu_rec) = fit_pair(ipu, cpu, 4, 8, ipu_args={"devices": 2}, **flags)
+    assert_same_weights(ipu, cpu)
+    assert ipu_trainer.global_step == cpu_trainer.global_step == 7
+    assert ipu_trainer.current_epoch == cpu_trainer.current_epoch
+    assert ipu_rec.validations == cpu_rec.validations == 3
+    assert_same_metrics(ipu_trainer.callback_metrics, cpu_trainer.callback_metrics, ["val_loss", "train_loss"])
+
+
+def test_fast_dev_run_runs_one_batch_of_each_loop():
+    ipu, _ = twins()
+    recorder = Recorder()
+    trainer = pl.Trainer(accelerator="ipu", devices=2, fast_dev_run=True, callbacks=[recorder], **QUIET)
+    trainer.fit(ipu, loader(dataset(), 4), loader(dataset(), 4))
+    assert recorder.steps == [1] and recorder.validations == 1

@@ -1,0 +1,49 @@
+"""Checkpoints hold what the IPUs have (weights, optimizer moments, schedulers, loop state), and
+resuming from one continues with the numbers of an uninterrupted run."""
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from tests.lightning.helpers import QUIET, assert_same_weights, dataset, loader, twins
+
+FLAGS = {**QUIET, "enable_checkpointing": True}
+
+
+def checkpointed_fit(module, directory, accelerator, batch_size, ckpt_path=None, **flags):
+    checkpoint = ModelCheckpoint(dirpath=directory, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    trainer = pl.Trainer(accelerator=accelerator, max_epochs=4, callbacks=[checkpoint], **FLAGS, **flags)
+    trainer.fit(module, loader(dataset(32), batch_size), ckpt_path=ckpt_path)
+    return trainer
+
+
+def assert_same_states(got, expected):
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_resume_from_a_checkpoint_equals_the_uninterrupted_run_and_checkpoints_equal_the_cpus(tmp_path):
+    kwargs = dict(optimizer="adam", lr=0.05, schedulers=(("exponential", "epoch"),))
+    full, resumed = twins(**kwargs)
+    cpu, _ = twins(**kwargs)
+    trainer = checkpointed_fit(full, tmp_path / "ipu", "ipu", 4, devices=2)
+    checkpointed_fit(cpu, tmp_path / "cpu", "cpu", 8)
+
+    saved = torch.load(tmp_path / "ipu" / "epoch=1.ckpt", weights_only=False)
+    on_cpu = torch.load(tmp_path / "cpu" / "epoch=1.ckpt", weights_only=False)
+    assert saved["global_step"] == on_cpu["global_step"] == 8
+    assert_same_states(saved["state_dict"], on_cpu["state_dict"])
+    assert_same_states(saved["optimizer_states"][0]["state"], on_cpu["optimizer_states"][0]["state"])
+    assert set(saved["optimizer_states"][0]["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert saved["lr_schedulers"] == on_cpu["lr_schedulers"]
+    assert saved["loops"]["fit_loop"]["epoch_progress"] == on_cpu["loops"]["fit_loop"]["epoch_progress"]
+
+    resumed_trainer = checkpointed_fit(resumed, tmp_path / "resumed", "ipu", 4, devices=2,
+                                       ckpt_path=tmp_path / "ipu" / "epoch=1.ckpt")
+    assert resumed_trainer.global_step == trainer.global_step == 16
+    assert_same_weights(resumed, full)
+    assert_same_weights(full, cpu)
+    assert_same_states(resumed_trainer.optimizers[0].state_dict()["state"], trainer.optimizers[0].state_dict()["state"])
+
+    trainer.save_checkpoint(tmp_path / "final.ckpt")
+    final = torch.load(tmp_path / "final.ckpt", weights_only=False)
+    assert_same_states(final["state_dict"], full.state_dict())
