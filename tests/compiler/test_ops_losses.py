@@ -47,7 +47,8 @@ def probabilities_and_targets(*shape):
 
 
 def log_probabilities_pair(*shape):
-    return lambda dtype: (torch.randn(shape).log_softmax(1).to(dtype), torch.randn(shape).softmax(1).to(dtype))
+    return lambda dtype: (torch.randn(shape).log_softmax(1).to(dtype),
+                          torch.randn(shape).softmax(1).to(dtype))
 
 
 def every_reduction(loss):
@@ -68,7 +69,8 @@ CROSS_ENTROPY_CASES = [
            every_reduction(lambda x, t, **kw: F.cross_entropy(x, t, weight=weight(x), ignore_index=-100,
                                                                label_smoothing=0.2, **kw)),
            logits_and_classes(6, 5, ignored=-100), ops=(aten._log_softmax.default, aten.sum.dim_IntList)),
-    OpCase("cross_entropy_probability_targets", every_reduction(F.cross_entropy), logits_and_probabilities(4, 5),
+    OpCase("cross_entropy_probability_targets", every_reduction(F.cross_entropy),
+           logits_and_probabilities(4, 5),
            ops=(aten._log_softmax.default, aten.sum.dim_IntList)),
     OpCase("cross_entropy_probability_targets_weight_label_smoothing_nd",
            lambda x, p: F.cross_entropy(x, p, weight=weight(x), label_smoothing=0.3),
@@ -77,7 +79,8 @@ CROSS_ENTROPY_CASES = [
 ]
 
 NLL_CASES = [
-    OpCase("nll_loss_reductions_ignore_index", every_reduction(F.nll_loss), logits_and_classes(5, 4, ignored=-100),
+    OpCase("nll_loss_reductions_ignore_index", every_reduction(F.nll_loss),
+           logits_and_classes(5, 4, ignored=-100),
            ops=(aten.sum.dim_IntList,)),
     OpCase("nll_loss_weight_nd",
            every_reduction(lambda x, t, **kw: F.nll_loss(x, t, weight=weight(x), ignore_index=1, **kw)),
@@ -89,7 +92,8 @@ NLL_CASES = [
 REGRESSION_CASES = [
     # The gradient sums those of the three reductions; in bfloat16 terms of magnitude ~8 (ulp
     # 0.03) cancel to ~0.2, so the absolute error is a few ulps of the terms, not of the result.
-    OpCase("mse_loss", every_reduction(F.mse_loss), pairs(3, 4), FLOATS, tolerances={torch.bfloat16: (2e-2, 3e-2)},
+    OpCase("mse_loss", every_reduction(F.mse_loss), pairs(3, 4), FLOATS,
+           tolerances={torch.bfloat16: (2e-2, 3e-2)},
            ops=(aten.mean.default, aten.sum.dim_IntList)),
     OpCase("l1_loss", every_reduction(F.l1_loss), pairs(3, 4), (torch.float32, torch.float16),
            ops=(aten.mean.default, aten.sum.dim_IntList)),
@@ -104,7 +108,8 @@ REGRESSION_CASES = [
 ]
 
 BINARY_CASES = [
-    OpCase("binary_cross_entropy", every_reduction(F.binary_cross_entropy), probabilities_and_targets(3, 4), FLOATS,
+    OpCase("binary_cross_entropy", every_reduction(F.binary_cross_entropy), probabilities_and_targets(3, 4),
+           FLOATS,
            ops=(aten.mean.default, aten.sum.dim_IntList)),
     OpCase("binary_cross_entropy_weight",
            every_reduction(lambda p, y, **kw: F.binary_cross_entropy(p, y, weight=weight(p), **kw)),
@@ -123,7 +128,8 @@ BINARY_CASES = [
 ]
 
 KL_CASES = [
-    OpCase("kl_div_batchmean", lambda x, y: F.kl_div(x, y, reduction="batchmean"), log_probabilities_pair(4, 5),
+    OpCase("kl_div_batchmean", lambda x, y: F.kl_div(x, y, reduction="batchmean"),
+           log_probabilities_pair(4, 5),
            (torch.float32, torch.float16), ops=(aten.sum.dim_IntList,)),
     OpCase("kl_div_reductions", every_reduction(F.kl_div), log_probabilities_pair(4, 5),
            ops=(aten.mean.default, aten.sum.dim_IntList)),

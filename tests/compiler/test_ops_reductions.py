@@ -98,7 +98,8 @@ SUM_CASES = [
 MAX_MIN_CASES = [
     OpCase("amax_amin_ties_split_gradient", lambda x: (x.amax(1), x.amin(), x.amax((0, -1), keepdim=True)),
            ties((3, 4, 5)), ops=(aten.amax.default, aten.amin.default)),
-    OpCase("amax_amin_nan", lambda x: (x.amax(1), x.amin(1)), NAN_ROWS, ops=(aten.amax.default, aten.amin.default)),
+    OpCase("amax_amin_nan", lambda x: (x.amax(1), x.amin(1)), NAN_ROWS,
+           ops=(aten.amax.default, aten.amin.default)),
     OpCase("max_min_all_ties_split_gradient", lambda x: (x.max(), x.min()), ties((3, 4)),
            ops=(aten.max.default, aten.min.default)),
     OpCase("max_min_all_nan_gradient_to_nans", lambda x: (x.max(), x.min()), NAN_ROWS,
@@ -113,7 +114,8 @@ MAX_MIN_CASES = [
 ]
 
 STATISTICS_CASES = [
-    OpCase("var_dim", lambda x: x.var(1), randn((3, 6)), (torch.float32, torch.float16), ops=(aten.var.correction,)),
+    OpCase("var_dim", lambda x: x.var(1), randn((3, 6)), (torch.float32, torch.float16),
+           ops=(aten.var.correction,)),
     OpCase("var_population_keepdim_and_std", lambda x: (x.var(dim=None, correction=0, keepdim=True), x.std()),
            randn((3, 4)), ops=(aten.var.correction,)),
     OpCase("var_too_few_degrees_of_freedom", lambda x: (x.var(1, correction=3), x.var(1, correction=2)),
@@ -148,7 +150,8 @@ LOGICAL_CASES = [
 SCAN_CASES = [
     OpCase("cumsum", lambda x: x.cumsum(1), randn((3, 40)), (torch.float32, torch.bfloat16),
            ops=(aten.cumsum.default,)),
-    OpCase("cumsum_permuted_and_0d", lambda x, s: (x.permute(1, 0).cumsum(-1), s.cumsum(0)), randn((5, 3), ()),
+    OpCase("cumsum_permuted_and_0d", lambda x, s: (x.permute(1, 0).cumsum(-1), s.cumsum(0)),
+           randn((5, 3), ()),
            ops=(aten.cumsum.default,)),
     # torch rounds the incoming float32 gradient to float16 before its reverse cumsum; autodiff
     # here sums the float32 gradient and rounds once, so over 60 terms the float16 gradients
@@ -184,7 +187,14 @@ NORM_CASES = [
            ops=(aten.linalg_vector_norm.default,)),
     OpCase("norm_fro_and_dtype", lambda x: (torch.norm(x), torch.linalg.vector_norm(x, dtype=torch.float32)),
            randn((3, 4)), (torch.float16,), ops=(aten.linalg_vector_norm.default,)),
-    OpCase("normalize", lambda x: F.normalize(x, dim=1), randn((4, 3)), ops=(aten.linalg_vector_norm.default,)),
+    OpCase("normalize", lambda x: F.normalize(x, dim=1), randn((4, 3)),
+           ops=(aten.linalg_vector_norm.default,)),
+    OpCase("dist_broadcast_ties", lambda x, y: tuple(torch.dist(x, y, p) for p in (2, 1, 3, 0.5, INF)),
+           ties((3, 4), (4,)), ops=(aten.dist.default,)),
+    # Small integers: zero distances, zero differences and ties for the largest difference, where
+    # cdist's gradient differs from vector_norm's (p=inf: every tie gets the whole gradient).
+    OpCase("cdist_batched_ties", lambda a, b: tuple(torch.cdist(a, b, p) for p in (2.0, 1.0, 0.5, 3.0, INF)),
+           ties((2, 5, 3), (4, 3)), ops=(aten._cdist_forward.default,)),
 ]
 
 SOFTMAX_CASES = [
@@ -192,7 +202,8 @@ SOFTMAX_CASES = [
     OpCase("log_softmax", lambda x: torch.log_softmax(x, 1), randn((2, 5, 3)), FLOATS,
            ops=(aten._log_softmax.default,)),
     OpCase("softmax_log_softmax_large_values_and_0d",
-           lambda x, s: (torch.softmax(x * 300, 0), torch.log_softmax(x.permute(1, 0) * 300, -1), torch.softmax(s, 0)),
+           lambda x, s: (torch.softmax(x * 300, 0), torch.log_softmax(x.permute(1, 0) * 300, -1),
+                         torch.softmax(s, 0)),
            randn((4, 3), ()), ops=(aten._softmax.default, aten._log_softmax.default)),
     OpCase("softmax_log_softmax_masked", lambda x: (torch.softmax(x, 1), torch.log_softmax(x, 1)),
            given([[-INF, 1.0, -INF], [-INF, -INF, -INF]]), grad=False,
@@ -201,12 +212,14 @@ SOFTMAX_CASES = [
            ops=(aten._log_softmax.default,)),
     OpCase("softmax_log_softmax_half_in_float32_out",
            lambda x: (F.softmax(x, 1, dtype=torch.float32), F.log_softmax(x, 0, dtype=torch.float32)),
-           randn((3, 6)), (torch.float16, torch.bfloat16), ops=(aten._softmax.default, aten._log_softmax.default)),
-    OpCase("logsumexp", lambda x: torch.logsumexp(x, 1), randn((3, 5)), ops=(aten.amax.default, aten.sum.dim_IntList)),
+           randn((3, 6)), (torch.float16, torch.bfloat16),
+           ops=(aten._softmax.default, aten._log_softmax.default)),
+    OpCase("logsumexp", lambda x: torch.logsumexp(x, 1), randn((3, 5)),
+           ops=(aten.amax.default, aten.sum.dim_IntList)),
 ]
 
-CASES = (INTEGER_CASES + SUM_CASES + MAX_MIN_CASES + STATISTICS_CASES + LOGICAL_CASES + SCAN_CASES + NORM_CASES
-         + SOFTMAX_CASES)
+CASES = (INTEGER_CASES + SUM_CASES + MAX_MIN_CASES + STATISTICS_CASES + LOGICAL_CASES + SCAN_CASES
+         + NORM_CASES + SOFTMAX_CASES)
 
 
 @pytest.mark.parametrize("case,dtype", case_params(CASES))

@@ -313,11 +313,16 @@ def _norm_slope(x, norm, ord, axes):
     return x * size ** (ord - 2) * inverse
 
 
-@lowering(aten.linalg_vector_norm.default)
-def linalg_vector_norm(ctx, x, ord=2, dim=None, keepdim=False, *, dtype=None):
-    out = _out_dtype(ctx)
-    axes = _axes(dim, x.ndim)
-    ord = float(ord)
+def _cdist_slope(x, norm, ord, axes):
+    """torch's ``_cdist_backward``: as vector_norm's, except that at p=inf every element tied for
+    the largest gets the whole gradient rather than an even share."""
+    if ord == math.inf:
+        return jnp.sign(x) * (jnp.abs(x) == norm)
+    return _norm_slope(x, norm, ord, axes)
+
+
+def _differentiable_norm(x, ord, axes, slope):
+    """The p-norm over ``axes`` (kept) whose derivative is ``slope(x, norm, ord, axes)``."""
 
     @jax.custom_jvp
     def norm(v):
@@ -327,10 +332,35 @@ def linalg_vector_norm(ctx, x, ord=2, dim=None, keepdim=False, *, dtype=None):
     def norm_jvp(primals, tangents):
         (v,), (tangent,) = primals, tangents
         result = _norm(v, ord, axes)
-        return result, jnp.sum(_norm_slope(v, result, ord, axes) * tangent, axis=axes, keepdims=True)
+        return result, jnp.sum(slope(v, result, ord, axes) * tangent, axis=axes, keepdims=True)
 
-    result = norm(_accumulate_as(x, out))
+    return norm(x)
+
+
+@lowering(aten.linalg_vector_norm.default)
+def linalg_vector_norm(ctx, x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    out = _out_dtype(ctx)
+    axes = _axes(dim, x.ndim)
+    result = _differentiable_norm(_accumulate_as(x, out), float(ord), axes, _norm_slope)
     return (result if keepdim else jnp.squeeze(result, axes)).astype(out)
+
+
+@lowering(aten.dist.default)
+def dist(ctx, x, y, p=2):
+    """``vector_norm(x - y, p)`` over every element, with vector_norm's gradient."""
+    difference = _widen(x) - _widen(y)
+    axes = tuple(range(difference.ndim))
+    return jnp.squeeze(_differentiable_norm(difference, float(p), axes, _norm_slope), axes)
+
+
+@lowering(aten._cdist_forward.default)
+def cdist(ctx, x1, x2, p, compute_mode=None):
+    """p-norm distances between the rows of ``x1`` (..., P, M) and ``x2`` (..., R, M). The matmul
+    form torch may pick for p=2 is composite (it reaches the graph as mm, sqrt, ...), so this op
+    is always the direct form."""
+    difference = _widen(x1)[..., :, None, :] - _widen(x2)[..., None, :, :]
+    axis = difference.ndim - 1
+    return jnp.squeeze(_differentiable_norm(difference, float(p), (axis,), _cdist_slope), axis)
 
 
 def _shifted(x, axis):
