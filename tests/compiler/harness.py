@@ -101,22 +101,12 @@ def check_case(case: OpCase, dtype: torch.dtype, seed: int = 0):
                    for x in inputs]
     expected = case.fn(*grad_inputs)
     expected_leaves, _ = torch.utils._pytree.tree_flatten(expected)
-    jax_inputs = _to_jax_tree(tuple(inputs))
-    outputs, _ = jax.jit(program.fn)({}, {}, jax_inputs, key)
-    actual_leaves = jax.tree_util.tree_leaves(outputs)
     tensor_expected = [e for e in expected_leaves if isinstance(e, torch.Tensor)]
-    assert len(actual_leaves) == len(tensor_expected), "output structure differs from torch"
-    for i, (a, e) in enumerate(zip(actual_leaves, tensor_expected)):
-        assert_close(a, e, rtol, atol, f"{case.name} output {i}")
-
     float_positions = [i for i, x in enumerate(grad_inputs) if _is_float(x) and x.requires_grad]
     float_outputs = [i for i, e in enumerate(tensor_expected) if e.is_floating_point() and e.requires_grad]
-    if not case.grad or not float_positions or not float_outputs:
-        return
-    cotangents = [torch.randn_like(tensor_expected[i]) for i in float_outputs]
-    torch_grads = torch.autograd.grad([tensor_expected[i] for i in float_outputs],
-                                      [grad_inputs[i] for i in float_positions],
-                                      cotangents, allow_unused=True)
+    with_grads = case.grad and bool(float_positions) and bool(float_outputs)
+    cotangents = [torch.randn_like(tensor_expected[i]) for i in float_outputs] if with_grads else []
+    jax_inputs = _to_jax_tree(tuple(inputs))
 
     def forward(*floats):
         args = list(jax_inputs)
@@ -124,10 +114,26 @@ def check_case(case: OpCase, dtype: torch.dtype, seed: int = 0):
             args[pos] = value
         outs, _ = program.fn({}, {}, tuple(args), key)
         leaves = jax.tree_util.tree_leaves(outs)
-        return [leaves[i] for i in float_outputs]
+        return [leaves[i] for i in float_outputs], leaves
 
-    _, vjp = jax.vjp(forward, *[jax_inputs[i] for i in float_positions])
-    jax_grads = jax.jit(vjp)([to_jax(c) for c in cotangents])
+    @jax.jit
+    def outputs_and_vjp(floats, cts):
+        """One compiled program for the forward and, when needed, its vector-Jacobian product."""
+        if not with_grads:
+            return forward(*floats)[1], []
+        _, vjp, leaves = jax.vjp(forward, *floats, has_aux=True)
+        return leaves, vjp(cts)
+
+    actual_leaves, jax_grads = outputs_and_vjp([jax_inputs[i] for i in float_positions],
+                                               [to_jax(c) for c in cotangents])
+    assert len(actual_leaves) == len(tensor_expected), "output structure differs from torch"
+    for i, (a, e) in enumerate(zip(actual_leaves, tensor_expected)):
+        assert_close(a, e, rtol, atol, f"{case.name} output {i}")
+    if not with_grads:
+        return
+    torch_grads = torch.autograd.grad([tensor_expected[i] for i in float_outputs],
+                                      [grad_inputs[i] for i in float_positions],
+                                      cotangents, allow_unused=True)
     for pos, a, e in zip(float_positions, jax_grads, torch_grads):
         if e is None:
             e = torch.zeros_like(grad_inputs[pos])
