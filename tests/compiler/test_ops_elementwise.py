@@ -17,24 +17,13 @@ from tests.compiler.harness import FnModule, OpCase, case_params, check_case
 
 aten = torch.ops.aten
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+EXACT_FLOATS = (torch.float32, torch.bfloat16)  # ops exact in any precision: one half type suffices
 INTS = (torch.int32, torch.int64)
-
-
-def randn(*shapes):
-    return lambda dtype: tuple(torch.randn(*s).to(dtype) for s in shapes)
-
-
-def uniform(low, high, *shapes):
-    return lambda dtype: tuple((low + (high - low) * torch.rand(*s)).to(dtype) for s in shapes)
 
 
 def away_from_zero(*shape):
     """Random magnitudes in [0.5, 2] with random signs: safe divisors."""
     return (0.5 + 1.5 * torch.rand(*shape)) * torch.randn(*shape).sign()
-
-
-def integers(low, high, *shapes):
-    return lambda dtype: tuple(torch.randint(low, high, s, dtype=dtype) for s in shapes)
 
 
 def nonzero_integers(*shape):
@@ -44,7 +33,7 @@ def nonzero_integers(*shape):
 
 def arithmetic_inputs(dtype):
     x = torch.randn(4, 3).to(dtype).t()  # non-contiguous
-    return x, away_from_zero(4).to(dtype), torch.randn(()).to(dtype)
+    return x, away_from_zero(4).to(dtype), torch.randn(()).to(dtype), torch.randn(3, 4).to(dtype)
 
 
 def divisions_inputs(dtype):
@@ -67,9 +56,9 @@ def ties_inputs(dtype):
 
 
 def nan_inputs(dtype):
-    nan = float("nan")
-    x = torch.tensor([nan, 1.0, nan, -2.0, 0.5, -0.0])
-    y = torch.tensor([1.0, nan, nan, 3.0, 0.5, 0.0])
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([nan, 1.0, nan, -2.0, 0.5, -0.0, inf, -inf, 0.0, 2.0])
+    y = torch.tensor([1.0, nan, nan, 3.0, 0.5, 0.0, 1.0, nan, -inf, inf])
     return x.to(dtype), y.to(dtype)
 
 
@@ -91,10 +80,32 @@ def integer_pairs(dtype):
     return a.to(dtype), b.to(dtype)
 
 
-def integer_powers(dtype):
+def integer_inputs(dtype):
+    """Operands of both signs (divisors nonzero), and powers with negative exponents."""
     base = torch.cat([torch.tensor([2, 1, -1, 0, -2, 3, 0, -3]), torch.randint(-4, 5, (4,))]).view(3, 4)
     exponent = torch.cat([torch.tensor([-1, -2, -3, 2, -2, 0, 0, 3]), torch.randint(0, 4, (4,))]).view(3, 4)
-    return base.to(dtype), exponent.to(dtype)
+    return integer_pairs(dtype) + (base.to(dtype), exponent.to(dtype))
+
+
+def powers_inputs(dtype):
+    """One input per power (see one_input_per_op); exact zeros where the derivative is special."""
+    def signed():
+        return 4 * torch.rand(3, 4) - 2
+
+    def positive():
+        return 0.2 + 2.8 * torch.rand(3, 4)
+
+    zeros_and_positive = torch.tensor([0.0, 0.5, 1.0, 2.0])
+    inputs = (signed(), signed(), positive(), positive(), positive(), positive(), positive(), signed(), positive(),
+              signed(), signed(), zeros_and_positive, zeros_and_positive.clone(), zeros_and_positive.clone(),
+              zeros_and_positive.clone(), positive(), torch.randn(3, 4), torch.randn(3, 4),
+              torch.randint(-2, 4, (3, 4)).float())
+    return tuple(t.to(dtype) for t in inputs)
+
+
+def _powers(a, b, c, d, e, f, g, h, i, j, k, z0, z1, z2, z3, p, q, s, n):
+    return (a ** 2, b ** 3, c ** 0.5, d ** -0.5, e ** -1, f ** -2, g ** 2.5, h ** 0, i ** 1.5, 2 ** j, 0.5 ** k,
+            z0 ** 0, z1 ** 2, z2 ** 0.5, z3 ** 1.5, p ** q, s ** n)
 
 
 def bitwise_inputs(dtype):
@@ -132,18 +143,17 @@ def _bitwise(a, b):
 
 
 CASES = [
-    OpCase("add_sub_mul_div",
-           lambda x, y, s: (x + y, torch.add(x, y, alpha=2.5), x - y, torch.sub(x, s, alpha=0.5), x * y,
-                            x * s, x / y, x / s, x + 1.5, 2 - x, x * 3.0, x / 4),
-           arithmetic_inputs, FLOATS, ops=(aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor)),
-    OpCase("scalar_overloads",
-           lambda x: (aten.add.Scalar(x, 2.5), aten.add.Scalar(x, 2, alpha=3), aten.sub.Scalar(x, 0.5),
-                      aten.sub.Scalar(x, 1, alpha=-2), aten.mul.Scalar(x, -1.5), aten.div.Scalar(x, 3),
-                      aten.div.Scalar_mode(x, 0.75, rounding_mode="floor"),
-                      aten.div.Scalar_mode(x, 0.75, rounding_mode="trunc"),
-                      aten.div.Scalar_mode(x, 4, rounding_mode=None)),
-           randn((3, 4)), FLOATS,
-           ops=(aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.div.Scalar_mode)),
+    OpCase("arithmetic",
+           lambda x, y, s, w: (x + y, torch.add(x, y, alpha=2.5), x - y, torch.sub(x, s, alpha=0.5), x * y, x * s,
+                               x / y, x / s, x + 1.5, 2 - x, x * 3.0, x / 4,
+                               aten.add.Scalar(w, 2.5), aten.add.Scalar(w, 2, alpha=3), aten.sub.Scalar(w, 0.5),
+                               aten.sub.Scalar(w, 1, alpha=-2), aten.mul.Scalar(w, -1.5), aten.div.Scalar(w, 3),
+                               aten.div.Scalar_mode(w, 0.75, rounding_mode="floor"),
+                               aten.div.Scalar_mode(w, 0.75, rounding_mode="trunc"),
+                               aten.div.Scalar_mode(w, 4, rounding_mode=None)),
+           arithmetic_inputs, FLOATS,
+           ops=(aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar, aten.sub.Scalar,
+                aten.mul.Scalar, aten.div.Scalar, aten.div.Scalar_mode)),
     OpCase("floor_trunc_remainder_fmod",
            # Not x // y: torch has no derivative for floor_divide (div with rounding_mode has one, 0).
            lambda x, y: (torch.div(x, y, rounding_mode="trunc"), torch.div(x, y, rounding_mode="floor"),
@@ -152,90 +162,72 @@ CASES = [
            divisions_inputs, FLOATS,
            ops=(aten.div.Tensor_mode, aten.remainder.Tensor, aten.remainder.Scalar, aten.fmod.Tensor,
                 aten.fmod.Scalar, aten.remainder.Scalar_Tensor)),
-    OpCase("integer_arithmetic",
-           lambda a, b: (a + b, torch.add(a, b, alpha=3), a - b, a * b, a * 3, a / b, a / 2, a // b,
-                         torch.div(a, b, rounding_mode="trunc"), a % b, torch.fmod(a, b), a // -3, a % 4,
-                         torch.fmod(a, -4), a % 2.5, a * 0.5),
-           integer_pairs, INTS,
+    OpCase("integer_ops",
+           lambda a, b, base, exponent: (
+               a + b, torch.add(a, b, alpha=3), a - b, a * b, a * 3, a / b, a / 2, a // b,
+               torch.div(a, b, rounding_mode="trunc"), a % b, torch.fmod(a, b), a // -3, a % 4, torch.fmod(a, -4),
+               a % 2.5, a * 0.5, base ** exponent, base ** 2, base ** 3, 2 ** exponent.abs(), base ** 0.5,
+               exponent ** 2.0, -a, a.abs(), a.sign(), a.floor(), a.ceil(), a.round(), a.trunc(), a.relu(), a.exp(),
+               a.reciprocal(), a.sigmoid(), b.sqrt(), a.isnan(), a.isinf(), a.signbit(), torch.maximum(a, b),
+               torch.minimum(a, b), a.clamp(-3, 4), a.clamp(min=b), a.clamp(max=2.5), torch.copysign(a, b),
+               torch.atan2(a, b)),
+           # The float results (a / b, exp, sigmoid...) are float32 math: float32's tolerance, not exact.
+           integer_inputs, INTS, tolerances={dtype: (1e-5, 1e-6) for dtype in INTS},
            ops=(aten.add.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.div.Tensor_mode, aten.remainder.Tensor,
-                aten.fmod.Tensor, aten.remainder.Scalar, aten.fmod.Scalar)),
-    OpCase("integer_powers",
-           lambda a, b: (a ** b, a ** 2, a ** 3, 2 ** b.abs(), a ** 0.5, b ** 2.0),
-           integer_powers, INTS, ops=(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar)),
-    OpCase("powers", *one_input_per_op(
-        (lambda x: x ** 2, -2, 2), (lambda x: x ** 3, -2, 2), (lambda x: x ** 0.5, 0.1, 3), (lambda x: x ** -0.5, 0.2, 3),
-        (lambda x: x ** -1, 0.3, 3), (lambda x: x ** -2, 0.5, 3), (lambda x: x ** 2.5, 0.1, 3), (lambda x: x ** 0, -2, 2),
-        (lambda x: x ** 1.5, 0.1, 3), (lambda x: 2 ** x, -3, 3), (lambda x: 0.5 ** x, -3, 3)),
-           FLOATS, ops=(aten.pow.Tensor_Scalar, aten.pow.Scalar)),
-    OpCase("powers_at_zero_and_of_tensors",
-           lambda z, p, e, s, n: (z ** 0, z ** 2, z ** 0.5, z ** 1.5, p ** e, s ** n),
-           lambda dtype: tuple(t.to(dtype) for t in (torch.tensor([0.0, 0.5, 1.0, 2.0]), 0.2 + 2 * torch.rand(3, 4),
-                                                     torch.randn(3, 4), torch.randn(3, 4),
-                                                     torch.randint(-2, 4, (3, 4)).float())),
-           FLOATS, ops=(aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor)),
-    OpCase("exp_log_sqrt", *one_input_per_op(
+                aten.fmod.Tensor, aten.remainder.Scalar, aten.fmod.Scalar, aten.pow.Tensor_Tensor,
+                aten.pow.Tensor_Scalar, aten.pow.Scalar, aten.neg.default, aten.abs.default, aten.sign.default,
+                aten.floor.default, aten.round.default, aten.relu.default, aten.exp.default, aten.isnan.default,
+                aten.signbit.default, aten.maximum.default, aten.clamp.default, aten.clamp.Tensor,
+                aten.copysign.Tensor)),
+    OpCase("powers", _powers, powers_inputs, FLOATS,
+           ops=(aten.pow.Tensor_Scalar, aten.pow.Scalar, aten.pow.Tensor_Tensor)),
+    OpCase("math_functions", *one_input_per_op(
         (torch.exp, -3, 3), (torch.exp2, -3, 3), (torch.expm1, -2, 2), (torch.log, 0.1, 4), (torch.log2, 0.1, 4),
         (torch.log10, 0.1, 4), (torch.log1p, -0.5, 3), (torch.sqrt, 0.1, 4), (torch.rsqrt, 0.2, 4),
-        (torch.reciprocal, 0.3, 3), (torch.lgamma, 0.2, 5), (torch.digamma, 0.3, 5), (torch.acosh, 1.1, 4)),
-           FLOATS,
-           ops=(aten.exp.default, aten.exp2.default, aten.expm1.default, aten.log.default, aten.log2.default,
-                aten.log10.default, aten.log1p.default, aten.sqrt.default, aten.rsqrt.default,
-                aten.reciprocal.default, aten.lgamma.default, aten.digamma.default, aten.acosh.default)),
-    OpCase("trigonometric_hyperbolic_error_functions", *one_input_per_op(
+        (torch.reciprocal, 0.3, 3), (torch.lgamma, 0.2, 5), (torch.digamma, 0.3, 5), (torch.acosh, 1.1, 4),
         (torch.sin, -3, 3), (torch.cos, -3, 3), (torch.tan, -1.2, 1.2), (torch.atan, -3, 3), (torch.sinh, -3, 3),
         (torch.cosh, -3, 3), (torch.tanh, -3, 3), (torch.asinh, -3, 3), (torch.sigmoid, -5, 5),
         (torch.erf, -2, 2), (torch.erfc, -2, 2), (torch.asin, -0.9, 0.9), (torch.acos, -0.9, 0.9),
-        (torch.atanh, -0.9, 0.9), (torch.erfinv, -0.9, 0.9)),
+        (torch.atanh, -0.9, 0.9), (torch.erfinv, -0.9, 0.9), (lambda t: torch.atan2(t[0], t.flip(0)), -3, 3)),
            FLOATS,
-           ops=(aten.sin.default, aten.cos.default, aten.tan.default, aten.atan.default, aten.sinh.default,
+           ops=(aten.exp.default, aten.exp2.default, aten.expm1.default, aten.log.default, aten.log2.default,
+                aten.log10.default, aten.log1p.default, aten.sqrt.default, aten.rsqrt.default,
+                aten.reciprocal.default, aten.lgamma.default, aten.digamma.default, aten.acosh.default,
+                aten.sin.default, aten.cos.default, aten.tan.default, aten.atan.default, aten.sinh.default,
                 aten.cosh.default, aten.tanh.default, aten.asinh.default, aten.sigmoid.default, aten.erf.default,
-                aten.erfc.default, aten.asin.default, aten.acos.default, aten.atanh.default, aten.erfinv.default)),
-    OpCase("atan2", lambda y, x: (torch.atan2(y, x), torch.atan2(x[0], y)),
-           lambda dtype: (torch.randn(3, 4).to(dtype), away_from_zero(3, 4).to(dtype)), FLOATS,
-           ops=(aten.atan2.default,)),
-    OpCase("rounding_sign_abs",
-           lambda x: (x.floor(), x.ceil(), x.round(), x.round(decimals=1), x.round(decimals=-1), x.trunc(),
-                      x.frac(), x.sign(), -x, x.abs(), x.relu()),
-           rounding_inputs, FLOATS,
-           ops=(aten.floor.default, aten.ceil.default, aten.round.default, aten.round.decimals,
-                aten.trunc.default, aten.sign.default, aten.neg.default, aten.abs.default, aten.relu.default)),
-    OpCase("integer_unary",
-           lambda a, b: (-a, a.abs(), a.sign(), a.floor(), a.ceil(), a.round(), a.trunc(),
-                         a.relu(), a.exp(), a.reciprocal(), a.sigmoid(), b.sqrt(), a.isnan(), a.isinf(),
-                         a.signbit(), torch.maximum(a, b), torch.minimum(a, b), a.clamp(-3, 4),
-                         a.clamp(min=b), a.clamp(max=2.5), torch.copysign(a, b), torch.atan2(a, b)),
-           # The float results (exp, sigmoid...) are float32 math: float32's tolerance, not exact.
-           integer_pairs, INTS, tolerances={dtype: (1e-5, 1e-6) for dtype in INTS},
-           ops=(aten.neg.default, aten.abs.default, aten.sign.default, aten.floor.default, aten.round.default,
-                aten.relu.default, aten.exp.default, aten.isnan.default, aten.signbit.default,
-                aten.maximum.default, aten.clamp.default, aten.clamp.Tensor, aten.copysign.Tensor)),
-    OpCase("maximum_minimum_ties",
-           lambda x, y, r: (torch.maximum(x, y), torch.minimum(x, y), torch.fmax(x, y), torch.fmin(x, y),
-                            torch.maximum(x, r), torch.fmin(r, x)),
-           ties_inputs, FLOATS,
-           ops=(aten.maximum.default, aten.minimum.default, aten.fmax.default, aten.fmin.default)),
-    OpCase("maximum_minimum_nan",
-           lambda x, y: (torch.maximum(x, y), torch.minimum(x, y), torch.fmax(x, y), torch.fmin(x, y),
-                         x.clamp(-1, 1), x.relu(), x.sign(), F.hardtanh(x)),
-           nan_inputs, FLOATS, grad=False,
-           ops=(aten.maximum.default, aten.minimum.default, aten.fmax.default, aten.fmin.default)),
-    OpCase("clamp",
-           lambda x, lo, hi, row: (x.clamp(-0.5, 0.5), x.clamp(min=0.0), x.clamp(max=0.5), x.clamp(0.5, -0.5),
-                                   x.clamp(lo, hi), x.clamp(min=lo), x.clamp(max=hi), x.clamp(max=row),
-                                   torch.clamp(x, lo, row)),
-           clamp_inputs, FLOATS, ops=(aten.clamp.default, aten.clamp.Tensor)),
+                aten.erfc.default, aten.asin.default, aten.acos.default, aten.atanh.default, aten.erfinv.default,
+                aten.atan2.default)),
     OpCase("activations",
            lambda *x: (F.gelu(x[0]), F.gelu(x[1], approximate="tanh"), F.leaky_relu(x[2], 0.2), F.elu(x[3]),
                        F.elu(x[4], 0.5), F.selu(x[5]), F.celu(x[6], 1.5), F.hardtanh(x[7]),
                        F.hardtanh(x[8], -0.25, 1.0), F.relu6(x[9]), F.softplus(x[10]),
-                       F.softplus(x[11], beta=2.0, threshold=5.0), F.silu(x[12]), F.mish(x[13])),
-           repeated(activation_inputs, 14), FLOATS,
+                       F.softplus(x[11], beta=2.0, threshold=5.0), F.silu(x[12]), F.mish(x[13]),
+                       F.hardsigmoid(x[14]), F.hardswish(x[15])),
+           # Inputs avoid +-3, where torch's hardsigmoid/hardswish derivative is 0 but that of their
+           # decomposition (clamp) is not.
+           repeated(activation_inputs, 16), FLOATS,
            ops=(aten.gelu.default, aten.leaky_relu.default, aten.elu.default, aten.hardtanh.default)),
-    OpCase("hardsigmoid_hardswish",
-           lambda x: (F.hardsigmoid(x), F.hardswish(x)),
-           # Not at +-3: torch's own backward is 0 there, the decomposition's (clamp) is not.
-           lambda dtype: (torch.tensor([-4.0, -2.5, 0.0, 1.0, 2.5, 4.5]).to(dtype),),
-           FLOATS, ops=(aten.clamp.default,)),
+    OpCase("rounding_sign_abs",
+           lambda x: (x.floor(), x.ceil(), x.round(), x.round(decimals=1), x.round(decimals=-1), x.trunc(),
+                      x.frac(), x.sign(), -x, x.abs(), x.relu()),
+           rounding_inputs, EXACT_FLOATS,
+           ops=(aten.floor.default, aten.ceil.default, aten.round.default, aten.round.decimals,
+                aten.trunc.default, aten.sign.default, aten.neg.default, aten.abs.default, aten.relu.default)),
+    OpCase("maximum_minimum_clamp",
+           lambda x, y, r, c, lo, hi, row: (
+               torch.maximum(x, y), torch.minimum(x, y), torch.fmax(x, y), torch.fmin(x, y), torch.maximum(x, r),
+               torch.fmin(r, x), c.clamp(-0.5, 0.5), c.clamp(min=0.0), c.clamp(max=0.5), c.clamp(0.5, -0.5),
+               c.clamp(lo, hi), c.clamp(min=lo), c.clamp(max=hi), c.clamp(max=row), torch.clamp(c, lo, row)),
+           lambda dtype: ties_inputs(dtype) + clamp_inputs(dtype), EXACT_FLOATS,
+           ops=(aten.maximum.default, aten.minimum.default, aten.fmax.default, aten.fmin.default,
+                aten.clamp.default, aten.clamp.Tensor)),
+    OpCase("nan_and_infinity",
+           lambda x, y: (torch.maximum(x, y), torch.minimum(x, y), torch.fmax(x, y), torch.fmin(x, y),
+                         x.clamp(-1, 1), x.relu(), x.sign(), F.hardtanh(x), x.isnan(), x.isinf(), x.isfinite(),
+                         x.signbit(), torch.nan_to_num(x), torch.nan_to_num(x, nan=0.5, posinf=9.0, neginf=-9.0)),
+           nan_inputs, FLOATS, grad=False,
+           ops=(aten.maximum.default, aten.minimum.default, aten.fmax.default, aten.fmin.default,
+                aten.isnan.default, aten.isinf.default, aten.signbit.default)),
     OpCase("copysign_hypot_lerp_addcmul",
            lambda x, y, w: (torch.copysign(x, y), torch.copysign(x, -1.0), torch.hypot(x, y),
                             torch.lerp(x, y, 0.3), torch.lerp(x, y, w), torch.addcmul(x, y, w, value=0.5),
@@ -243,11 +235,6 @@ CASES = [
            lambda dtype: (torch.tensor([0.0, -0.0, 1.5, -2.0, 0.5, 3.0]).to(dtype),
                           torch.tensor([-1.0, 1.0, -0.5, 2.0, -0.0, 1.0]).to(dtype), torch.rand(6).to(dtype)),
            FLOATS, ops=(aten.copysign.Tensor, aten.copysign.Scalar, aten.hypot.default)),
-    OpCase("float_classification",
-           lambda x: (x.isnan(), x.isinf(), x.isfinite(), x.signbit(), torch.nan_to_num(x),
-                      torch.nan_to_num(x, nan=0.5, posinf=9.0, neginf=-9.0)),
-           lambda dtype: (torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, -2.5, 1.0]).to(dtype),),
-           FLOATS, ops=(aten.isnan.default, aten.isinf.default, aten.signbit.default)),
     OpCase("bitwise", _bitwise, bitwise_inputs, INTS + (torch.bool,),
            ops=(aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.bitwise_xor.Tensor, aten.bitwise_not.default,
                 aten.bitwise_and.Scalar, aten.bitwise_or.Scalar, aten.bitwise_xor.Scalar)),
