@@ -405,7 +405,8 @@ def _stable_sort(x, dim: int, descending: bool):
 
 @lowering(aten.sort.default)
 def sort(ctx, x, dim=-1, descending=False):
-    """Always stable: torch's unstable sort only promises values, and is stable on small rows."""
+    """Stable. torch's default sort leaves the order of equal elements unspecified (its CPU
+    kernel is stable on rows of up to 16 elements, introsort beyond); values always agree."""
     return _stable_sort(x, dim, descending)
 
 
@@ -416,10 +417,11 @@ def sort_stable(ctx, x, *, stable=None, dim=-1, descending=False):
 
 @lowering(aten.topk.default)
 def topk(ctx, x, k, dim=-1, largest=True, sorted=True):
-    """The first ``k`` of a stable sort (NaN counts as largest, as torch). torch's CPU topk
-    orders ties by a partial sort (unspecified); ties here come lowest index first."""
+    """The first ``k`` of a stable sort (NaN counts as largest, as torch), always sorted.
+    torch's CPU topk orders equal elements, and everything when sorted=False, as its partial
+    sort leaves them (unspecified); here equal elements come lowest index first."""
     values, indices = _stable_sort(x, dim, descending=largest)
-    dim = _dim(dim, x.ndim)
     if x.ndim == 0:
         return values, indices
+    dim = _dim(dim, x.ndim)
     return lax.slice_in_dim(values, 0, k, axis=dim), lax.slice_in_dim(indices, 0, k, axis=dim)
