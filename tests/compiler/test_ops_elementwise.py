@@ -45,7 +45,8 @@ def divisions_inputs(dtype):
 
 def rounding_inputs(dtype):
     halves = torch.tensor([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 0.0, -0.0, 1.25, -1.75, 0.05, 3.0])
-    return torch.cat([halves, 4 * torch.randn(12)]).view(4, 6).to(dtype),
+    zeros = torch.tensor([0.0, -0.0, 0.25, 4.0])
+    return torch.cat([halves, 4 * torch.randn(12)]).view(4, 6).to(dtype), zeros.to(dtype), zeros.to(dtype).clone()
 
 
 def ties_inputs(dtype):
@@ -208,11 +209,13 @@ CASES = [
            repeated(activation_inputs, 16), FLOATS,
            ops=(aten.gelu.default, aten.leaky_relu.default, aten.elu.default, aten.hardtanh.default)),
     OpCase("rounding_sign_abs",
-           lambda x: (x.floor(), x.ceil(), x.round(), x.round(decimals=1), x.round(decimals=-1), x.trunc(),
-                      x.frac(), x.sign(), -x, x.abs(), x.relu()),
+           # At 0, sqrt's derivative is inf, and abs's, grad * sign(x), makes it NaN as in torch.
+           lambda x, z, w: (x.floor(), x.ceil(), x.round(), x.round(decimals=1), x.round(decimals=-1), x.trunc(),
+                            x.frac(), x.sign(), -x, x.abs(), x.relu(), z.sqrt(), w.abs().sqrt()),
            rounding_inputs, EXACT_FLOATS,
            ops=(aten.floor.default, aten.ceil.default, aten.round.default, aten.round.decimals,
-                aten.trunc.default, aten.sign.default, aten.neg.default, aten.abs.default, aten.relu.default)),
+                aten.trunc.default, aten.sign.default, aten.neg.default, aten.abs.default, aten.relu.default,
+                aten.sqrt.default)),
     OpCase("maximum_minimum_clamp",
            lambda x, y, r, c, lo, hi, row: (
                torch.maximum(x, y), torch.minimum(x, y), torch.fmax(x, y), torch.fmin(x, y), torch.maximum(x, r),

@@ -159,12 +159,20 @@ def neg(ctx, x):
     return -x
 
 
+@jax.custom_jvp
+def _float_abs(x):
+    return jnp.abs(x)
+
+
+# torch's derivative, ``grad * sign(x)``: 0 at 0 (JAX's would be 1), NaN for an infinite grad at 0.
+_float_abs.defjvps(lambda tangent, result, x: tangent * jnp.sign(x))
+
+
 @lowering(aten.abs.default)
 def abs_(ctx, x):
-    """Float derivative 0 at 0, torch's subgradient (JAX's would be 1)."""
     if x.dtype == jnp.bool_:
         return x
-    return jnp.where(x == 0, jnp.zeros_like(x), jnp.abs(x)) if _is_float(x) else jnp.abs(x)
+    return _float_abs(x) if _is_float(x) else jnp.abs(x)
 
 
 @lowering(aten.sign.default)
