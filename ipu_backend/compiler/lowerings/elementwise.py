@@ -37,10 +37,6 @@ def _is_float(x) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def _is_integer(x) -> bool:
-    return jnp.issubdtype(x.dtype, jnp.integer)
-
-
 # Arithmetic -------------------------------------------------------------------------------------
 
 @lowering(aten.add.Tensor, aten.add.Scalar)
@@ -320,7 +316,7 @@ def _highest(dtype):
 
 
 def _clamp(x, lo, hi):
-    """``min(max(x, lo), hi)`` (so hi wins when lo > hi, and NaN in x propagates) with torch's
+    """``min(max(x, lo), hi)`` (hi wins when lo > hi; NaN in x propagates when lo <= hi) with torch's
     gradients: x's where lo <= x <= hi, lo's where x < lo < hi, hi's where x > hi or hi < lo,
     nobody's elsewhere (NaN in x, or x < lo == hi). The three masks are disjoint."""
     clamped = jnp.minimum(jnp.maximum(x, lo), hi)
