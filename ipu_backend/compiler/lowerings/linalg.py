@@ -46,8 +46,31 @@ def mm(ctx, x, y):
     return einsum("ij,jk->ik", x, y)
 
 
+def _repeated_matrix(ctx, index: int, value):
+    """The one matrix a bmm operand repeats over the batch — an ``expand`` of a tensor without a
+    real batch dimension, as ``F.linear`` on 3-D inputs decomposes — or None. Multiplying by
+    that matrix is one large product (and one large gradient product) instead of a batch of
+    small ones."""
+    node = ctx.node.args[index]
+    matrix_shape = tuple(value.shape[1:])
+    while isinstance(node, torch.fx.Node) and node.target is aten.view.default \
+            and tuple(node.args[0].meta["val"].shape[-2:]) == matrix_shape:
+        node = node.args[0]
+    if isinstance(node, torch.fx.Node) and node.target is aten.expand.default:
+        source = node.args[0].meta["val"].shape
+        if all(size == 1 for size in source[:-2]):
+            return value[0]
+    return None
+
+
 @lowering(aten.bmm.default)
 def bmm(ctx, x, y):
+    shared_y = _repeated_matrix(ctx, 1, y)
+    if shared_y is not None:
+        return einsum("bij,jk->bik", x, shared_y)
+    shared_x = _repeated_matrix(ctx, 0, x)
+    if shared_x is not None:
+        return einsum("ij,bjk->bik", shared_x, y)
     return einsum("bij,bjk->bik", x, y)
 
 
