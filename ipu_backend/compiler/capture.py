@@ -106,5 +106,8 @@ def export(module: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram
 
 @functools.cache
 def _core_aten_decompositions() -> dict:
-    """torch's default core-ATen table, materialized once (it costs ~0.2 s per export otherwise)."""
-    return dict(torch.export.default_decompositions().items())
+    """torch's default core-ATen table, materialized once (it costs ~0.2 s per export otherwise).
+    ``detach`` is kept: decomposed, it becomes a plain ``alias`` and gradients would flow through."""
+    table = dict(torch.export.default_decompositions().items())
+    table.pop(torch.ops.aten.detach.default, None)
+    return table

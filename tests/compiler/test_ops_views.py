@@ -77,6 +77,8 @@ SHAPES = [
                       x[-1], x[:, -2], x.select(2, 3), x[1, 2, -5], x[..., 0]),
            values((3, 4, 5)), ops=(aten.slice.Tensor, aten.select.int)),
     OpCase("alias_of_whole_slice", lambda x: x[:, :], values((3, 4)), ops=(aten.alias.default,)),
+    OpCase("detach_stops_gradients", lambda x: (x * x.detach(), x.detach().exp() + x),
+           values((3, 4)), ops=(aten.detach.default,)),
     OpCase("clone_memory_format",
            lambda x: (x.clone(memory_format=torch.channels_last), x.transpose(1, 2).contiguous()),
            values((2, 3, 4, 5)), ops=(aten.clone.default,)),

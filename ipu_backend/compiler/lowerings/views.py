@@ -65,6 +65,12 @@ def identity(ctx, x, memory_format=None):
     return x
 
 
+@lowering(aten.detach.default)
+def detach(ctx, x):
+    """The value, with no gradient through it (torch's ``detach``)."""
+    return lax.stop_gradient(x)
+
+
 @lowering(aten.view.dtype)
 def view_dtype(ctx, x, dtype):
     """Reinterpret the bits, as torch does: the last dim scales by the ratio of item sizes."""
