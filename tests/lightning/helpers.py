@@ -96,3 +96,17 @@ class Recorder(pl.Callback):
 
     def on_validation_end(self, trainer, pl_module):
         self.validations += 1
+
+
+class RandomData(pl.LightningDataModule):
+    """The regression data as a data module (for configs)."""
+
+    def __init__(self, batch_size: int = 4, samples: int = 32):
+        super().__init__()
+        self.batch_size, self.samples = batch_size, samples
+
+    def train_dataloader(self):
+        return loader(dataset(self.samples), self.batch_size)
+
+    def val_dataloader(self):
+        return loader(dataset(self.samples, seed=1), self.batch_size)
