@@ -3,7 +3,13 @@
 Every convolution case runs under both convolution algorithms (XLA's convolution and im2col).
 Half-precision convolutions accumulate in float32 and round once, like torch's CPU kernels, so
 the harness's default fp16/bf16 tolerances hold.
+
+To keep exports and compilations few, a case may run several calls of one op family, each on
+inputs of its own, and return every call's outputs (the harness names a mismatch by output
+position: outputs are in the order of the calls).
 """
+
+import math
 
 import pytest
 import torch
@@ -14,16 +20,19 @@ from tests.compiler.harness import OpCase, case_params, check_case
 
 aten = torch.ops.aten
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-CONVOLUTION = (aten.convolution.default,)
 
 
-def randn(*shapes):
-    return lambda dtype: tuple(torch.randn(s).to(dtype) for s in shapes)
+def randn(*shape):
+    return lambda dtype: torch.randn(shape).to(dtype)
 
 
 def with_ties(*shape):
     """Values from a few levels, so pooling windows hold tied maxima (torch picks the first)."""
-    return lambda dtype: (torch.randint(-2, 3, shape).to(dtype),)
+    return lambda dtype: torch.randint(-2, 3, shape).to(dtype)
+
+
+def randint(*shape):
+    return lambda dtype: torch.randint(-9, 9, shape, dtype=dtype)
 
 
 def with_nan_and_inf(*shape):
@@ -31,96 +40,130 @@ def with_nan_and_inf(*shape):
         x = torch.randn(shape)
         x.view(-1)[::7] = float("nan")
         x.view(-1)[3::11] = float("-inf")
-        return (x.to(dtype),)
+        return x.to(dtype)
     return make
 
 
-def conv(fn, *shapes, dtypes=(torch.float32,), **kwargs):
-    """A case named after its arguments: ``conv2d_stride2x1_padding1x2``."""
-    name = fn.__name__ + "".join(
-        f"_{k}{'x'.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in kwargs.items())
-    return OpCase(name, lambda *args: fn(*args, **kwargs), randn(*shapes), dtypes,
-                  ops=CONVOLUTION)
+def calls(name, *parts, dtypes=(torch.float32,), ops):
+    """One case making several calls: ``parts`` are ``(fn, make_input, ...)``, each ``fn`` taking
+    the tensors its ``make_input`` functions make."""
+    def make_inputs(dtype):
+        return tuple(make(dtype) for _, *makers in parts for make in makers)
 
+    def fn(*args):
+        outputs, args = [], list(args)
+        for call, *makers in parts:
+            outputs.append(call(*args[:len(makers)]))
+            del args[:len(makers)]
+        return tuple(outputs)
+
+    return OpCase(name, fn, make_inputs, dtypes, ops=ops)
+
+
+def conv(fn, input_shape, weight_shape, *bias_shape, **kwargs):
+    """A convolution call for ``calls``: ``fn(input, weight[, bias], **kwargs)``. The weight is
+    scaled by 1/sqrt(fan-in), as nn.Conv's initialization does, so that outputs and gradients
+    stay near unit size, where the absolute fp32 tolerance means what it says."""
+    fan_in = math.prod(weight_shape[1:])
+    return (lambda *args: fn(*args, **kwargs), randn(*input_shape),
+            lambda dtype: (torch.randn(weight_shape) / math.sqrt(fan_in)).to(dtype),
+            *(randn(*shape) for shape in bias_shape))
+
+
+def pool(fn, make_input, *args, **kwargs):
+    """A pooling call for ``calls``: ``fn(input, *args, **kwargs)``."""
+    return (lambda x: fn(x, *args, **kwargs), make_input)
+
+
+CONVOLUTION = (aten.convolution.default,)
+MAX_POOL_2D = (aten.max_pool2d_with_indices.default,)
 
 CONV_CASES = [
-    conv(F.conv1d, (2, 3, 9), (4, 3, 3), (4,)),
-    conv(F.conv1d, (2, 4, 11), (6, 2, 3), stride=2, padding=2, dilation=2, groups=2),
-    conv(F.conv2d, (2, 3, 8, 7), (4, 3, 3, 2), (4,), dtypes=FLOATS),
-    conv(F.conv2d, (1, 3, 9, 8), (5, 3, 3, 3), stride=(2, 1), padding=(1, 2), dilation=(1, 2)),
-    conv(F.conv2d, (2, 4, 7, 7), (8, 1, 3, 3), (8,), groups=4, padding=1),  # depthwise, x2
-    conv(F.conv2d, (1, 3, 6, 6), (4, 3, 4, 2), padding="same"),  # pads one more at the end
-    conv(F.conv3d, (1, 2, 5, 6, 5), (3, 2, 3, 2, 3), (3,), stride=(1, 2, 2), padding=(1, 0, 1)),
-    conv(F.conv3d, (1, 4, 5, 5, 5), (4, 2, 2, 2, 2), groups=2, dilation=2),
-    conv(F.conv_transpose1d, (2, 3, 7), (3, 4, 3), (4,), stride=2, padding=1,
-         output_padding=1),
-    conv(F.conv_transpose1d, (1, 2, 5), (2, 3, 1), padding=1),  # crops more than it pads
-    conv(F.conv_transpose2d, (1, 4, 5, 4), (4, 3, 3, 3), (6,), dtypes=FLOATS, stride=(2, 3),
-         padding=(1, 0), output_padding=(1, 2), groups=2),
-    conv(F.conv_transpose2d, (1, 2, 4, 5), (2, 3, 3, 2), stride=2, dilation=(2, 1), padding=2),
-    conv(F.conv_transpose3d, (1, 2, 3, 4, 3), (2, 2, 3, 2, 2), (2,), stride=2, padding=1,
-         output_padding=1),
-    OpCase("conv2d_unbatched_channels_permuted",
-           lambda x, w: F.conv2d(x.permute(2, 0, 1), w, padding=1),
-           randn((6, 7, 3), (2, 3, 3, 3)), ops=CONVOLUTION + (aten.permute.default,)),
+    calls("conv1d_bias_stride_padding_dilation_groups",
+          conv(F.conv1d, (2, 3, 9), (4, 3, 3), (4,)),
+          conv(F.conv1d, (2, 4, 11), (6, 2, 3), stride=2, padding=2, dilation=2, groups=2),
+          ops=CONVOLUTION),
+    calls("conv2d", conv(F.conv2d, (2, 3, 8, 7), (4, 3, 3, 2), (4,)), dtypes=FLOATS,
+          ops=CONVOLUTION),
+    calls("conv2d_per_dim_stride_padding_dilation_depthwise_same",
+          conv(F.conv2d, (1, 3, 9, 8), (5, 3, 3, 3), stride=(2, 1), padding=(1, 2),
+               dilation=(1, 2)),
+          conv(F.conv2d, (2, 4, 7, 7), (8, 1, 3, 3), (8,), groups=4, padding=1),
+          conv(F.conv2d, (1, 3, 6, 6), (4, 3, 4, 2), padding="same"),  # one more pad at the end
+          ops=CONVOLUTION),
+    calls("conv3d_stride_padding_groups_dilation",
+          conv(F.conv3d, (1, 2, 5, 6, 5), (3, 2, 3, 2, 3), (3,), stride=(1, 2, 2),
+               padding=(1, 0, 1)),
+          conv(F.conv3d, (1, 4, 5, 5, 5), (4, 2, 2, 2, 2), groups=2, dilation=2),
+          ops=CONVOLUTION),
+    calls("conv_transpose1d_output_padding_crop",
+          conv(F.conv_transpose1d, (2, 3, 7), (3, 4, 3), (4,), stride=2, padding=1,
+               output_padding=1),
+          conv(F.conv_transpose1d, (1, 2, 5), (2, 3, 1), padding=1),  # crops more than it pads
+          ops=CONVOLUTION),
+    calls("conv_transpose2d_groups_output_padding",
+          conv(F.conv_transpose2d, (1, 4, 5, 4), (4, 3, 3, 3), (6,), stride=(2, 3),
+               padding=(1, 0), output_padding=(1, 2), groups=2),
+          ops=CONVOLUTION),
+    calls("conv_transpose2d_dilation_and_3d",
+          conv(F.conv_transpose2d, (1, 2, 4, 5), (2, 3, 3, 2), stride=2, dilation=(2, 1),
+               padding=2),
+          conv(F.conv_transpose3d, (1, 2, 3, 4, 3), (2, 2, 3, 2, 2), (2,), stride=2, padding=1,
+               output_padding=1),
+          ops=CONVOLUTION),
+    calls("conv2d_unbatched_channels_permuted",
+          conv(lambda x, w: F.conv2d(x.permute(2, 0, 1), w, padding=1), (6, 7, 3), (2, 3, 3, 3)),
+          ops=CONVOLUTION + (aten.permute.default,)),
 ]
 
 POOL_CASES = [
-    OpCase("max_pool2d", lambda x: F.max_pool2d(x, 2), randn((2, 3, 8, 6)), FLOATS,
-           ops=(aten.max_pool2d_with_indices.default,)),
-    OpCase("max_pool2d_indices_padding_dilation_ceil",
-           lambda x: F.max_pool2d(x, (3, 2), (2, 1), (1, 1), (2, 1), ceil_mode=True,
-                                  return_indices=True),
-           randn((1, 2, 9, 8)), ops=(aten.max_pool2d_with_indices.default,)),
-    OpCase("max_pool2d_ties_first_index", lambda x: F.max_pool2d(x, 3, 2, return_indices=True),
-           with_ties(2, 2, 7, 7), ops=(aten.max_pool2d_with_indices.default,)),
-    OpCase("max_pool2d_nan_inf", lambda x: F.max_pool2d(x, 3, 1, 1, return_indices=True),
-           with_nan_and_inf(1, 2, 6, 6), ops=(aten.max_pool2d_with_indices.default,)),
-    OpCase("max_pool2d_integer_unbatched",
-           lambda x: F.max_pool2d(x, 2, padding=1, return_indices=True),
-           lambda dtype: (torch.randint(-9, 9, (3, 5, 4), dtype=dtype),), (torch.int64,),
-           ops=(aten.max_pool2d_with_indices.default,)),
-    OpCase("max_pool1d", lambda x: F.max_pool1d(x, 3, 2, 1, return_indices=True),
-           with_ties(2, 3, 10), ops=(aten.max_pool2d_with_indices.default,)),
-    OpCase("max_pool3d", lambda x: F.max_pool3d(x, (2, 3, 2), (2, 2, 1), (1, 1, 0),
-                                                ceil_mode=True, return_indices=True),
-           with_ties(1, 2, 5, 6, 5), ops=(aten.max_pool3d_with_indices.default,)),
-    OpCase("avg_pool2d", lambda x: F.avg_pool2d(x, 2), randn((2, 3, 8, 6)), FLOATS,
-           ops=(aten.avg_pool2d.default,)),
-    OpCase("avg_pool2d_padding_ceil_include_pad",
-           lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True), randn((1, 2, 8, 7)),
-           ops=(aten.avg_pool2d.default,)),
-    OpCase("avg_pool2d_padding_ceil_exclude_pad",
-           lambda x: F.avg_pool2d(x, (3, 2), (2, 2), (1, 1), ceil_mode=True,
-                                  count_include_pad=False), randn((1, 2, 8, 7)),
-           ops=(aten.avg_pool2d.default,)),
-    OpCase("avg_pool2d_divisor_override",
-           lambda x: F.avg_pool2d(x, 3, 2, 1, divisor_override=5), randn((2, 7, 7)),
-           ops=(aten.avg_pool2d.default,)),
-    OpCase("avg_pool2d_integer_truncates",
-           lambda x: F.avg_pool2d(x, 2, padding=1, divisor_override=3),
-           lambda dtype: (torch.randint(-9, 9, (1, 2, 5, 4), dtype=dtype),), (torch.int64,),
-           ops=(aten.avg_pool2d.default,)),
-    OpCase("avg_pool1d", lambda x: F.avg_pool1d(x, 3, 2, 1, count_include_pad=False),
-           randn((2, 3, 10)), ops=(aten.avg_pool2d.default,)),
-    OpCase("avg_pool3d", lambda x: F.avg_pool3d(x, (2, 3, 2), (1, 2, 2), (1, 1, 0),
-                                                ceil_mode=True, count_include_pad=False),
-           randn((1, 2, 5, 6, 5)), ops=(aten.avg_pool3d.default,)),  # no half kernel in torch
-    OpCase("adaptive_avg_pool2d", lambda x: F.adaptive_avg_pool2d(x, (3, 5)),
-           randn((2, 3, 8, 7)), FLOATS, ops=(aten._adaptive_avg_pool2d.default,)),
-    OpCase("adaptive_avg_pool2d_divisible_unbatched", lambda x: F.adaptive_avg_pool2d(x, 4),
-           randn((3, 8, 8)), ops=(aten._adaptive_avg_pool2d.default,)),
-    OpCase("adaptive_avg_pool1d", lambda x: F.adaptive_avg_pool1d(x, 4), randn((2, 3, 10)),
-           ops=(aten._adaptive_avg_pool2d.default,)),
-    OpCase("adaptive_avg_pool3d", lambda x: F.adaptive_avg_pool3d(x, (2, 3, 4)),
-           randn((1, 2, 5, 7, 6)), ops=(aten._adaptive_avg_pool3d.default,)),
-    OpCase("adaptive_max_pool2d", lambda x: F.adaptive_max_pool2d(x, (3, 5), return_indices=True),
-           with_ties(2, 3, 8, 7), ops=(aten.adaptive_max_pool2d.default,)),
-    OpCase("adaptive_max_pool1d", lambda x: F.adaptive_max_pool1d(x, 4), randn((2, 3, 10)),
-           ops=(aten.adaptive_max_pool2d.default,)),
-    OpCase("adaptive_max_pool3d",
-           lambda x: F.adaptive_max_pool3d(x, (2, 3, 4), return_indices=True),
-           with_ties(1, 2, 5, 7, 6), ops=(aten.adaptive_max_pool3d.default,)),
+    calls("max_pool2d", pool(F.max_pool2d, randn(2, 3, 8, 6), 2), dtypes=FLOATS,
+          ops=MAX_POOL_2D),
+    calls("max_pool2d_padding_dilation_ceil_ties_1d",
+          pool(F.max_pool2d, randn(1, 2, 9, 8), (3, 2), (2, 1), (1, 1), (2, 1), ceil_mode=True,
+               return_indices=True),
+          pool(F.max_pool2d, with_ties(2, 2, 7, 7), 3, 2, return_indices=True),
+          pool(F.max_pool1d, with_ties(2, 3, 10), 3, 2, 1, return_indices=True),
+          ops=MAX_POOL_2D),
+    calls("max_pool2d_nan_and_inf", pool(F.max_pool2d, with_nan_and_inf(1, 2, 6, 6), 3, 1, 1,
+                                         return_indices=True), ops=MAX_POOL_2D),
+    calls("max_pool2d_integer_unbatched",
+          pool(F.max_pool2d, randint(3, 5, 4), 2, padding=1, return_indices=True),
+          dtypes=(torch.int64,), ops=MAX_POOL_2D),
+    calls("max_pool3d", pool(F.max_pool3d, with_ties(1, 2, 5, 6, 5), (2, 3, 2), (2, 2, 1),
+                             (1, 1, 0), ceil_mode=True, return_indices=True),
+          ops=(aten.max_pool3d_with_indices.default,)),
+    calls("avg_pool2d", pool(F.avg_pool2d, randn(2, 3, 8, 6), 2), dtypes=FLOATS,
+          ops=(aten.avg_pool2d.default,)),
+    calls("avg_pool2d_padding_ceil_include_exclude_pad_divisor_1d",
+          pool(F.avg_pool2d, randn(1, 2, 8, 7), 3, 2, 1, ceil_mode=True),
+          pool(F.avg_pool2d, randn(1, 2, 8, 7), (3, 2), (2, 2), (1, 1), ceil_mode=True,
+               count_include_pad=False),
+          pool(F.avg_pool2d, randn(2, 7, 7), 3, 2, 1, divisor_override=5),
+          pool(F.avg_pool1d, randn(2, 3, 10), 3, 2, 1, count_include_pad=False),
+          ops=(aten.avg_pool2d.default,)),
+    calls("avg_pool2d_integer_truncates",
+          pool(F.avg_pool2d, randint(1, 2, 5, 4), 2, padding=1, divisor_override=3),
+          dtypes=(torch.int64,), ops=(aten.avg_pool2d.default,)),
+    calls("avg_pool3d",  # torch has no half-precision avg_pool3d on the CPU
+          pool(F.avg_pool3d, randn(1, 2, 5, 6, 5), (2, 3, 2), (1, 2, 2), (1, 1, 0),
+               ceil_mode=True, count_include_pad=False),
+          ops=(aten.avg_pool3d.default,)),
+    calls("adaptive_avg_pool2d_uneven_and_divisible_unbatched",
+          pool(F.adaptive_avg_pool2d, randn(2, 3, 8, 7), (3, 5)),
+          pool(F.adaptive_avg_pool2d, randn(3, 8, 8), 4),
+          dtypes=FLOATS, ops=(aten._adaptive_avg_pool2d.default,)),
+    calls("adaptive_avg_pool1d_3d",
+          pool(F.adaptive_avg_pool1d, randn(2, 3, 10), 4),
+          pool(F.adaptive_avg_pool3d, randn(1, 2, 5, 7, 6), (2, 3, 4)),
+          ops=(aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool3d.default)),
+    calls("adaptive_max_pool2d",
+          pool(F.adaptive_max_pool2d, with_ties(2, 3, 8, 7), (3, 5), return_indices=True),
+          ops=(aten.adaptive_max_pool2d.default,)),
+    calls("adaptive_max_pool1d_3d",
+          pool(F.adaptive_max_pool1d, randn(2, 3, 10), 4),
+          pool(F.adaptive_max_pool3d, with_ties(1, 2, 5, 7, 6), (2, 3, 4), return_indices=True),
+          ops=(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)),
 ]
 
 CASES = CONV_CASES + POOL_CASES

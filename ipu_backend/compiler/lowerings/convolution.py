@@ -6,18 +6,24 @@ padded input, then one matrix product), which XLA:CPU keeps fast inside loops.
 
 Pooling gathers each output's window into a trailing axis (static slices for strided windows,
 static gathers for adaptive ones) and reduces it the way torch's CPU kernels do: max picks the
-first maximum in row-major window order (NaN wins), so its index output and its gradient go
-where torch's do; averages add in window order and divide by torch's divisor.
+first maximum in row-major window order (or the last NaN), so its index output and its
+gradient go where torch's do; averages add in window order and divide by torch's divisor.
+
+Each op's computation is a jitted function of the input and its static configuration: inside
+a program it is inlined; evaluated op by op (``jax.vjp`` outside ``jit``) it compiles once
+rather than once per primitive.
 """
 
 import functools
+import inspect
 import itertools
 import operator
 
-import numpy as np
+import jax
 import jax.numpy as jnp
-from jax import lax
+import numpy as np
 import torch
+from jax import lax
 
 from ipu_backend.compiler.lowering_options import current_options
 from ipu_backend.compiler.lowerings.linalg import accumulation_dtype
@@ -26,12 +32,32 @@ from ipu_backend.compiler.registry import lowering
 aten = torch.ops.aten
 
 
+def _jit_with_static_keywords(fn):
+    """``jax.jit(fn)`` with its keyword-only parameters (hashable configuration) static."""
+    static = [p.name for p in inspect.signature(fn).parameters.values()
+              if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    return jax.jit(fn, static_argnames=static)
+
+
 def _per_dim(value, n):
     """An int or a 1- or n-long list of ints, as an n-tuple (torch repeats a single value)."""
     if isinstance(value, int):
         return (value,) * n
     value = tuple(value)
     return value * n if len(value) == 1 else value
+
+
+def _window_slices(x, first_axis, out_size, kernel, stride, dilation):
+    """One strided slice of ``x`` per kernel offset, in row-major offset order: slice ``j``
+    holds element ``j`` of every window along the axes from ``first_axis`` on."""
+    slices = []
+    for offset in itertools.product(*(range(k) for k in kernel)):
+        start, limit, strides = [0] * x.ndim, list(x.shape), [1] * x.ndim
+        for axis, o, m, s, d in zip(itertools.count(first_axis), offset, out_size, stride,
+                                    dilation):
+            start[axis], limit[axis], strides[axis] = o * d, o * d + (m - 1) * s + 1, s
+        slices.append(lax.slice(x, start, limit, strides))
+    return slices
 
 
 # ---------------------------------------------------------------------------------------------
@@ -46,15 +72,15 @@ def convolution(ctx, x, weight, bias, stride, padding, dilation, transposed, out
     kernel = weight.shape[2:]
     if transposed:
         weight = _transposed_weight_as_direct(weight, groups)
-        output_padding = _per_dim(output_padding, n)
-        pads = [(d * (k - 1) - p, d * (k - 1) - p + q)
-                for k, p, d, q in zip(kernel, padding, dilation, output_padding)]
+        pads = tuple((d * (k - 1) - p, d * (k - 1) - p + q) for k, p, d, q
+                     in zip(kernel, padding, dilation, _per_dim(output_padding, n)))
         window_strides, input_dilation = (1,) * n, stride
     else:
-        pads = [(p, p) for p in padding]
+        pads = tuple((p, p) for p in padding)
         window_strides, input_dilation = stride, (1,) * n
     direct = _CONV_ALGORITHMS[current_options().conv_algorithm]
-    out = direct(x, weight, window_strides, pads, input_dilation, dilation, groups)
+    out = direct(x, weight, window_strides=window_strides, pads=pads,
+                 input_dilation=input_dilation, kernel_dilation=dilation, groups=groups)
     if bias is not None:
         out = out + bias.astype(out.dtype).reshape((-1,) + (1,) * n)
     return out.astype(x.dtype)
@@ -71,14 +97,15 @@ def _transposed_weight_as_direct(weight, groups):
     return jnp.flip(weight, axis=tuple(range(2, weight.ndim)))
 
 
-def _conv_xla(x, weight, window_strides, pads, input_dilation, kernel_dilation, groups):
+def _conv_xla(x, weight, *, window_strides, pads, input_dilation, kernel_dilation, groups):
     return lax.conv_general_dilated(
         x, weight, window_strides, pads, lhs_dilation=input_dilation,
         rhs_dilation=kernel_dilation, feature_group_count=groups,
         precision=lax.Precision.HIGHEST, preferred_element_type=accumulation_dtype(x.dtype))
 
 
-def _conv_im2col(x, weight, window_strides, pads, input_dilation, kernel_dilation, groups):
+@_jit_with_static_keywords
+def _conv_im2col(x, weight, *, window_strides, pads, input_dilation, kernel_dilation, groups):
     """Channels-last, pad (and dilate) the input, take one strided slice per kernel offset, and
     contract the stacked slices with the kernel in one matrix product (batched over groups).
     Half precision is computed in float32, where its products are exact, so that the input's
@@ -102,49 +129,37 @@ def _conv_im2col(x, weight, window_strides, pads, input_dilation, kernel_dilatio
     return jnp.moveaxis(out.reshape(batch, *out_size, out_channels), -1, 1)
 
 
-def _window_slices(x, first_axis, out_size, kernel, stride, dilation):
-    """One strided slice of ``x`` per kernel offset, in row-major offset order: slice ``j``
-    holds element ``j`` of every window along the axes from ``first_axis`` on."""
-    slices = []
-    for offset in itertools.product(*(range(k) for k in kernel)):
-        start, limit, strides = [0] * x.ndim, list(x.shape), [1] * x.ndim
-        for axis, o, m, s, d in zip(itertools.count(first_axis), offset, out_size, stride,
-                                    dilation):
-            start[axis], limit[axis], strides[axis] = o * d, o * d + (m - 1) * s + 1, s
-        slices.append(lax.slice(x, start, limit, strides))
-    return slices
-
-
 _CONV_ALGORITHMS = {"xla": _conv_xla, "im2col": _conv_im2col}
 
 
 # ---------------------------------------------------------------------------------------------
-# Pooling windows: patches (..., *out, K), valid (*out, K) and flat input index (*out, K)
+# Pooling windows: taps (one array per window element, shaped like the output), and static
+# (*out, K) tables of which window elements lie inside the input and their flat input index
 
 
 def _strided_windows(x, out_size, kernel, stride, padding, dilation, pad_value):
     """Every window of a strided pooling, one static slice per kernel offset (row-major)."""
     n = len(kernel)
     lead = x.ndim - n
-    in_size = x.shape[lead:]
-    high = [max(0, (m - 1) * s + d * (k - 1) + 1 - size - p)
-            for m, s, d, k, size, p in zip(out_size, stride, dilation, kernel, in_size, padding)]
-    x = lax.pad(x, jnp.asarray(pad_value, x.dtype),
-                [(0, 0, 0)] * lead + [(p, h, 0) for p, h in zip(padding, high)])
-    patches = _window_slices(x, lead, out_size, kernel, stride, dilation)
+    high = [max(0, (m - 1) * s + d * (k - 1) + 1 - size - p) for m, s, d, k, size, p
+            in zip(out_size, stride, dilation, kernel, x.shape[lead:], padding)]
+    padded = lax.pad(x, jnp.asarray(pad_value, x.dtype),
+                     [(0, 0, 0)] * lead + [(p, h, 0) for p, h in zip(padding, high)])
+    taps = _window_slices(padded, lead, out_size, kernel, stride, dilation)
     positions = [np.arange(m)[:, None] * s + np.arange(k)[None, :] * d - p
                  for m, k, s, p, d in zip(out_size, kernel, stride, padding, dilation)]
-    return jnp.stack(patches, axis=-1), positions
+    return taps, _window_tables(positions, x.shape[lead:])
 
 
 def _adaptive_windows(x, out_size):
     """Every window of an adaptive pooling: output i covers [floor(i*n/m), ceil((i+1)*n/m)) of
     each dim. Windows are gathered at their longest length, shorter ones padded by repeating
-    their last element (marked invalid)."""
+    their last element (marked outside the input)."""
     n = len(out_size)
     lead = x.ndim - n
+    in_size = x.shape[lead:]
     positions = []
-    for axis, (size, m) in enumerate(zip(x.shape[lead:], out_size)):
+    for axis, (size, m) in enumerate(zip(in_size, out_size)):
         starts = np.arange(m) * size // m
         ends = -(-(np.arange(1, m + 1) * size) // m)
         longest = int((ends - starts).max())
@@ -153,51 +168,54 @@ def _adaptive_windows(x, out_size):
         at = lead + 2 * axis  # dims before this one are already split into (out, window)
         x = jnp.take(x, np.minimum(window, ends[:, None] - 1).reshape(-1), axis=at)
         x = x.reshape(x.shape[:at] + (m, longest) + x.shape[at + 1:])
-    order = [lead + 2 * axis for axis in range(n)] + [lead + 2 * axis + 1 for axis in range(n)]
-    x = jnp.transpose(x, list(range(lead)) + order)
-    return x.reshape(x.shape[:lead + n] + (-1,)), positions
+    x = jnp.transpose(x, [*range(lead), *range(lead, lead + 2 * n, 2),
+                          *range(lead + 1, lead + 2 * n, 2)])
+    x = x.reshape(x.shape[:lead + n] + (-1,))
+    return [x[..., k] for k in range(x.shape[-1])], _window_tables(positions, in_size)
 
 
 def _window_tables(positions, in_size):
-    """Static (*out, K) tables: is each window element inside the input, and its flat index
-    (row-major over the spatial dims, as torch's pooling indices count)."""
+    """Static (*out, K) tables from each dim's (out, window) input positions: is each window
+    element inside the input, and its flat index (row-major over the spatial dims, as torch's
+    pooling indices count)."""
     n = len(positions)
     valid = np.ones((), bool)
     flat = np.zeros((), np.int64)
     for axis, (pos, size) in enumerate(zip(positions, in_size)):
-        shape_out = [1] * n + [1] * n
-        shape_out[axis] = pos.shape[0]
-        shape_out[n + axis] = pos.shape[1]
-        pos = pos.reshape(shape_out)
+        shape = [1] * (2 * n)
+        shape[axis], shape[n + axis] = pos.shape
+        pos = pos.reshape(shape)
         valid = valid & (pos >= 0) & (pos < size)
         flat = flat * size + pos
     out_shape = valid.shape[:n]
     return valid.reshape(out_shape + (-1,)), flat.reshape(out_shape + (-1,))
 
 
-def _first_max(patches, valid, flat_index):
-    """Max over the last axis and the flat index of torch's choice: the first maximum or, where
+def _lowest(dtype):
+    return -jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
+
+
+def _first_max(taps, valid, flat_index):
+    """Max over the window and the flat index of torch's choice: the first maximum or, where
     the window holds NaN, the last NaN (torch's kernels take ``val > max || isnan(val)``).
     Reading the value through a one-hot mask sends its gradient to that element only."""
-    taps = patches.shape[-1]
-    order = np.arange(taps)
-    lowest = (-jnp.inf if jnp.issubdtype(patches.dtype, jnp.floating)
-              else jnp.iinfo(patches.dtype).min)
-    best = jnp.max(jnp.where(valid, patches, lowest), axis=-1, keepdims=True)
-    preference = jnp.where(valid & (patches == best), taps - order, 0)
+    patches = jnp.stack(taps, axis=-1)
+    order = np.arange(len(taps))
+    best = jnp.max(jnp.where(valid, patches, _lowest(patches.dtype)), axis=-1, keepdims=True)
+    preference = jnp.where(valid & (patches == best), len(taps) - order, 0)
     if jnp.issubdtype(patches.dtype, jnp.floating):
-        preference = jnp.where(valid & jnp.isnan(patches), taps + order, preference)
+        preference = jnp.where(valid & jnp.isnan(patches), len(taps) + order, preference)
     one_hot = jnp.argmax(preference, axis=-1)[..., None] == order
     values = jnp.sum(jnp.where(one_hot, patches, jnp.zeros((), patches.dtype)), axis=-1)
     indices = jnp.sum(jnp.where(one_hot, flat_index.astype(np.int32), 0), axis=-1)
     return values, indices
 
 
-def _window_sum(patches, valid):
+def _window_sum(taps, valid):
     """Sum over the window in row-major order, as torch's kernels add (in float32 for halves)."""
-    dtype = accumulation_dtype(patches.dtype) or patches.dtype
-    terms = [jnp.where(valid[..., k], patches[..., k], 0).astype(dtype)
-             for k in range(patches.shape[-1])]
+    dtype = accumulation_dtype(taps[0].dtype) or taps[0].dtype
+    terms = [(tap if valid[..., k].all() else jnp.where(valid[..., k], tap, 0)).astype(dtype)
+             for k, tap in enumerate(taps)]
     return functools.reduce(operator.add, terms)
 
 
@@ -205,26 +223,25 @@ def _window_sum(patches, valid):
 # Max and average pooling over strided windows
 
 
-def _max_pool(ctx, x, n, kernel_size, stride, padding, dilation):
-    kernel = _per_dim(kernel_size, n)
-    stride = _per_dim(stride, n) if stride else kernel
-    padding, dilation = _per_dim(padding, n), _per_dim(dilation, n)
-    lowest = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
-    patches, positions = _strided_windows(x, ctx.out[0].shape[-n:], kernel, stride, padding,
-                                          dilation, lowest)
-    return _first_max(patches, *_window_tables(positions, x.shape[-n:]))
+@_jit_with_static_keywords
+def _max_pool(x, *, out_size, kernel, stride, padding, dilation):
+    taps, tables = _strided_windows(x, out_size, kernel, stride, padding, dilation,
+                                    _lowest(x.dtype))
+    return _first_max(taps, *tables)
 
 
-@lowering(aten.max_pool2d_with_indices.default)
-def max_pool2d_with_indices(ctx, x, kernel_size, stride=(), padding=0, dilation=1,
-                            ceil_mode=False):
-    return _max_pool(ctx, x, 2, kernel_size, stride, padding, dilation)
+def _max_pool_rule(n):
+    def max_pool_with_indices(ctx, x, kernel_size, stride=(), padding=0, dilation=1,
+                              ceil_mode=False):
+        kernel = _per_dim(kernel_size, n)
+        return _max_pool(x, out_size=tuple(ctx.out[0].shape[-n:]), kernel=kernel,
+                         stride=_per_dim(stride, n) if stride else kernel,
+                         padding=_per_dim(padding, n), dilation=_per_dim(dilation, n))
+    return max_pool_with_indices
 
 
-@lowering(aten.max_pool3d_with_indices.default)
-def max_pool3d_with_indices(ctx, x, kernel_size, stride=(), padding=0, dilation=1,
-                            ceil_mode=False):
-    return _max_pool(ctx, x, 3, kernel_size, stride, padding, dilation)
+lowering(aten.max_pool2d_with_indices.default)(_max_pool_rule(2))
+lowering(aten.max_pool3d_with_indices.default)(_max_pool_rule(3))
 
 
 def _avg_pool_divisor(out_size, in_size, kernel, stride, padding, count_include_pad):
@@ -240,54 +257,60 @@ def _avg_pool_divisor(out_size, in_size, kernel, stride, padding, count_include_
     return divisor
 
 
-def _avg_pool(ctx, x, n, kernel_size, stride, padding, count_include_pad, divisor_override):
-    kernel = _per_dim(kernel_size, n)
-    stride = _per_dim(stride, n) if stride else kernel
-    padding = _per_dim(padding, n)
-    out_size = ctx.out.shape[-n:]
-    patches, positions = _strided_windows(x, out_size, kernel, stride, padding, (1,) * n, 0)
-    valid, _ = _window_tables(positions, x.shape[-n:])
-    total = _window_sum(patches, valid)
-    if divisor_override:
-        divisor = np.asarray(divisor_override)
-    else:
-        divisor = _avg_pool_divisor(out_size, x.shape[-n:], kernel, stride, padding,
-                                    count_include_pad)
+@_jit_with_static_keywords
+def _avg_pool(x, *, out_size, kernel, stride, padding, count_include_pad, divisor_override):
+    n = len(kernel)
+    taps, (valid, _) = _strided_windows(x, out_size, kernel, stride, padding, (1,) * n, 0)
+    total = _window_sum(taps, valid)
+    divisor = np.asarray(divisor_override or _avg_pool_divisor(
+        out_size, x.shape[-n:], kernel, stride, padding, count_include_pad))
     if jnp.issubdtype(total.dtype, jnp.integer):
-        return lax.div(total, jnp.asarray(divisor, total.dtype))
+        return lax.div(total, jnp.asarray(divisor, total.dtype))  # truncates, as torch does
     return total / divisor.astype(np.float32)
 
 
-@lowering(aten.avg_pool2d.default)
-def avg_pool2d(ctx, x, kernel_size, stride=(), padding=0, ceil_mode=False,
-               count_include_pad=True, divisor_override=None):
-    return _avg_pool(ctx, x, 2, kernel_size, stride, padding, count_include_pad, divisor_override)
+def _avg_pool_rule(n):
+    def avg_pool(ctx, x, kernel_size, stride=(), padding=0, ceil_mode=False,
+                 count_include_pad=True, divisor_override=None):
+        kernel = _per_dim(kernel_size, n)
+        return _avg_pool(x, out_size=tuple(ctx.out.shape[-n:]), kernel=kernel,
+                         stride=_per_dim(stride, n) if stride else kernel,
+                         padding=_per_dim(padding, n), count_include_pad=count_include_pad,
+                         divisor_override=divisor_override)
+    return avg_pool
 
 
-@lowering(aten.avg_pool3d.default)
-def avg_pool3d(ctx, x, kernel_size, stride=(), padding=0, ceil_mode=False,
-               count_include_pad=True, divisor_override=None):
-    return _avg_pool(ctx, x, 3, kernel_size, stride, padding, count_include_pad, divisor_override)
+lowering(aten.avg_pool2d.default)(_avg_pool_rule(2))
+lowering(aten.avg_pool3d.default)(_avg_pool_rule(3))
 
 
 # ---------------------------------------------------------------------------------------------
 # Adaptive pooling
 
 
+@_jit_with_static_keywords
+def _adaptive_avg_pool(x, *, out_size):
+    """Window sums divided by each dim's window length in turn (torch's ``sum / kh / kw``)."""
+    taps, (valid, _) = _adaptive_windows(x, out_size)
+    result = _window_sum(taps, valid)
+    n = len(out_size)
+    for axis, (size, m) in enumerate(zip(x.shape[-n:], out_size)):
+        lengths = -(-(np.arange(1, m + 1) * size) // m) - np.arange(m) * size // m
+        result = result / lengths.astype(np.float32).reshape((-1,) + (1,) * (n - 1 - axis))
+    return result
+
+
+@_jit_with_static_keywords
+def _adaptive_max_pool(x, *, out_size):
+    taps, tables = _adaptive_windows(x, out_size)
+    return _first_max(taps, *tables)
+
+
 @lowering(aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool3d.default)
 def adaptive_avg_pool(ctx, x, output_size):
-    """Window sums divided by each dim's window length in turn (torch's ``sum / kh / kw``)."""
-    patches, positions = _adaptive_windows(x, tuple(output_size))
-    valid, _ = _window_tables(positions, x.shape[-len(output_size):])
-    result = _window_sum(patches, valid)
-    n = len(output_size)
-    for axis, pos in enumerate(positions):
-        lengths = (pos < x.shape[x.ndim - n + axis]).sum(axis=1).astype(np.float32)
-        result = result / lengths.reshape((-1,) + (1,) * (n - 1 - axis))
-    return result
+    return _adaptive_avg_pool(x, out_size=tuple(output_size))
 
 
 @lowering(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)
 def adaptive_max_pool(ctx, x, output_size):
-    patches, positions = _adaptive_windows(x, tuple(output_size))
-    return _first_max(patches, *_window_tables(positions, x.shape[-len(output_size):]))
+    return _adaptive_max_pool(x, out_size=tuple(output_size))
