@@ -700,10 +700,12 @@ def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, opt
             temporaries=max(temporaries.values(), default=0), optimizer_offloaded=settings.offload))
     usage = memory.estimate(usage)
     memory.check(usage, strategy.ipu_spec, strategy.memory_check)
+    # A step method's outputs are (result, logged values): the layout is the result's.
+    result_spec = part.out_spec if method is None else part.out_spec.child(0)
     layout = OutputLayout()
     layout.split(torch_pytree.tree_unflatten(
-        [jnp.zeros(()) if isinstance(leaf, torch.fx.Node) else leaf for leaf in part.output_leaves],
-        part.out_spec))
+        [jnp.zeros(()) if isinstance(leaf, torch.fx.Node) else leaf
+         for leaf in part.output_leaves[:result_spec.num_leaves]], result_spec))
     log_names = tuple(c.name for c in program.logs if c.is_tensor)
     dtypes = [node.meta["val"].dtype for node in part.array_outputs]
     return MultiIpuProgram(part, stages, settings, layout, dtypes, rule, usage,

@@ -1,0 +1,63 @@
+"""Blocks in a LightningModule trained through IPUStrategy: set in ``__init__``, in a ``setup``
+hook or inside ``training_step``, the model runs pipelined over two IPUs with the numbers of
+Lightning on the CPU (fp32: 1e-5 relative, 1e-6 absolute)."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ipu_backend as poptorch
+from lightning_ipu import IPUStrategy
+from tests.lightning.helpers import QUIET, Regressor, assert_same_weights, dataset, loader
+
+
+class PipelinedRegressor(Regressor):
+    """``net`` = Linear, Tanh, Linear: the last Linear and the loss on IPU 1."""
+
+    def __init__(self, where: str):
+        super().__init__()
+        self.where = where
+        if where == "init":
+            poptorch.BeginBlock(self.net[2], "B2", ipu_id=1)
+
+    def setup(self, stage):
+        if self.where == "setup" and not self.net[2]._forward_pre_hooks:
+            poptorch.BeginBlock(self.net[2], "B2", ipu_id=1)
+
+    def training_step(self, batch, batch_idx):
+        if self.where != "step":
+            return super().training_step(batch, batch_idx)
+        x, y = batch
+        with poptorch.Block("B1", ipu_id=0):
+            h = self.net[1](self.net[0](x))
+        with poptorch.Block("B2", ipu_id=1):
+            loss = F.mse_loss(self.net[2](h), y)
+            self.log("train_loss", loss)
+        return loss
+
+
+@pytest.mark.parametrize("where", ["init", "setup", "step"])
+def test_blocks_in_a_lightning_module_pipeline_with_cpu_numbers(where):
+    torch.manual_seed(0)
+    ipu, cpu = PipelinedRegressor(where), PipelinedRegressor(where)
+    cpu.load_state_dict(ipu.state_dict())
+    data = dataset(24)
+    pl.Trainer(accelerator="cpu", max_epochs=1, accumulate_grad_batches=3, **QUIET).fit(cpu, loader(data, 4))
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(3)
+    placements = []
+    trainer = pl.Trainer(accelerator="ipu", devices=1, strategy=IPUStrategy(training_opts=opts), max_epochs=1,
+                         callbacks=[PlacementRecorder(placements)], **QUIET)
+    trainer.fit(ipu, loader(data, 4))
+    assert trainer.global_step == 2
+    assert_same_weights(ipu, cpu)
+    assert placements[-1] == {"net.0.weight": 0, "net.0.bias": 0, "net.2.weight": 1, "net.2.bias": 1}
+
+
+class PlacementRecorder(pl.Callback):
+    def __init__(self, placements: list):
+        self.placements = placements
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.placements.append(trainer.strategy._executors["training_step"].ipuPlacement())
