@@ -118,6 +118,7 @@ def test(inference_model, test_data):
         predictions = inference_model(data)
         correct += (predictions.argmax(1) == labels).sum().item()
         total += labels.numel()
+    print(f"Accuracy on test set: {100.0 * correct / total:.2f}% ({total} images)")
     return 100.0 * correct / total
 
 
@@ -169,7 +170,6 @@ def main(argv=None) -> float:
                                     batch_size=args.test_batch_size)
     inference_model = poptorch.inferenceModel(model, inf_options)
     test_accuracy = test(inference_model, test_data)
-    print(f"Accuracy on test set: {test_accuracy:.2f}%")
     if args.profile:
         write_profile(args.profile_dir, training_model, inference_model)
     return test_accuracy
