@@ -31,6 +31,7 @@ accumulation), ``device_iterations`` and the global seed (``seed_everything``, e
 initial seed), and ``16-mixed`` precision turns on dynamic loss scaling.
 """
 
+import contextlib
 import os
 import warnings
 from collections.abc import Mapping
@@ -72,6 +73,34 @@ def _default_seed() -> int:
     """``seed_everything``'s seed, else torch's initial seed: the device's random numbers then
     follow the same seeding as the host's."""
     return int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed())) % 2**31
+
+
+def _metric_objects(module: torch.nn.Module) -> dict:
+    from torchmetrics import Metric
+
+    return {name: m for name, m in module.named_modules() if isinstance(m, Metric)}
+
+
+@contextlib.contextmanager
+def _metric_objects_refused(metrics: dict):
+    """While a step is captured: a torchmetrics ``Metric`` object called in it is a clear error."""
+
+    def refuse(name):
+        def hook(metric, args):
+            raise ipu_backend.Error(
+                f"the step calls the torchmetrics object self.{name} ({type(metric).__name__}); its "
+                "state lives in Python attributes that a compiled step cannot carry between batches. "
+                "Use the functional form (torchmetrics.functional...) and self.log the tensor it "
+                "returns: Lightning averages it over the epoch, weighted by batch size. The object "
+                "may still be used on the host, e.g. in on_validation_epoch_end")
+        return hook
+
+    handles = [metric.register_forward_pre_hook(refuse(name)) for name, metric in metrics.items()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _check_replicas(replicas: int, auto_round: bool, where: str) -> None:
@@ -126,6 +155,7 @@ class IPUStrategy(ParallelStrategy):
         self._executors: dict[str, PoplarExecutor] = {}
         self._reads_batch_idx: dict[str, bool] = {}
         self._gradient_clipping: GradientClipping | None = None
+        self._metrics: dict = {}
         self._trainer = None
         self._accumulate_grad_batches: int | None = None
 
@@ -268,6 +298,7 @@ class IPUStrategy(ParallelStrategy):
         self._inference_opts = self._resolve_options(self._user_inference_opts, trainer, training=False)
         self.parallel_devices = [self.root_device] * self.replicas
         self._executors = {}
+        self._metrics = _metric_objects(module)
         super().setup(trainer)
         if fitting:
             self._check_training(trainer)
@@ -365,7 +396,8 @@ class IPUStrategy(ParallelStrategy):
         executor = self._executor(method)
         factor = _data.micro_batches_per_call(executor.options)
         args = self._with_batch_index(method, args, factor)
-        result = executor(*args)
+        with _metric_objects_refused(self._metrics):
+            result = executor(*args)
         program = executor.last_program
         self._log(program, executor.last_logs)
         return _outputs.combine_outputs(result, program, _micro_batch_size(args[0], factor))
