@@ -97,3 +97,44 @@ def test_pipelined_inference_equals_torch_and_shares_trained_weights():
     with torch.no_grad():
         expected = model(x)
     torch.testing.assert_close(inference(x), expected, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("mode", ["sum", "every_n"])
+def test_output_modes_select_as_on_one_ipu(mode):
+    torch.manual_seed(6)
+    model, reference = twins(TwoStages())
+    x, y = regression_data(4 * 3 * 2)                         # 4 iterations × 3 micro-batches of 2
+    expected_out, expected_loss = torch_training(reference, torch.optim.SGD(reference.parameters(), lr=0.1),
+                                                 x, y, accumulation=3, micro=2)
+    opts = options(poptorch.PipelinedExecution("B1", "B2"), accumulation=3, device_iterations=4)
+    opts.outputMode(poptorch.OutputMode.Sum if mode == "sum" else poptorch.OutputMode.EveryN, 2)
+    out, loss = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))(x, y)
+    if mode == "sum":
+        torch.testing.assert_close(loss, expected_loss.sum(), rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(out, expected_out.view(12, 2, 3).sum(0), rtol=RTOL, atol=ATOL)
+    else:                                                     # last micro-batch of iterations 2 and 4
+        torch.testing.assert_close(loss, expected_loss[[5, 11]], rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(out, expected_out.view(4, 3, 2, 3)[[1, 3], -1].reshape(4, 3),
+                                   rtol=RTOL, atol=ATOL)
+
+
+class Dropout(TwoStages):
+    def forward(self, x, y):
+        with poptorch.Block("B1", ipu_id=0):
+            h = torch.nn.functional.dropout(torch.tanh(self.fc1(x)), 0.5)
+        with poptorch.Block("B2", ipu_id=1):
+            out = torch.nn.functional.dropout(self.fc2(h), 0.3)
+            return out, torch.nn.functional.mse_loss(out, y)
+
+
+def test_random_operations_draw_the_numbers_of_the_single_ipu_program():
+    x, y = regression_data(2 * 3 * 4)
+    results = []
+    for strategy in (poptorch.PipelinedExecution(poptorch.Stage("B1", "B2").ipu(0)),    # one IPU
+                     poptorch.PipelinedExecution("B1", "B2")):
+        torch.manual_seed(7)
+        model = Dropout()
+        opts = options(strategy).randomSeed(11)
+        results.append(poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))(x, y))
+    torch.testing.assert_close(results[1], results[0], rtol=RTOL, atol=ATOL)
+    assert (results[1][0] == 0).any()
