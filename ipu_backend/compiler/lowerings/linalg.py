@@ -36,7 +36,7 @@ def _scaled_sum(bias, product, beta, alpha):
     if alpha != 1:
         product = alpha * product
     if beta == 0:
-        return jnp.broadcast_to(product, product.shape)
+        return product
     bias = bias.astype(product.dtype)
     return product + (bias if beta == 1 else beta * bias)
 
