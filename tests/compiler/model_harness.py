@@ -7,7 +7,9 @@ parameter, and every buffer after the step (BatchNorm's running statistics and
 ``num_batches_tracked`` in train mode, unchanged ones in eval mode).
 
 Without a ``loss_fn`` the loss is ``sum(output_i * cotangent_i)`` over the floating outputs, with
-fixed random cotangents, so every output's gradient path is exercised, not only its sum.
+fixed random cotangents, so every output's gradient path is exercised, not only its sum. That
+loss is the test's own construction, not compared itself: it sums hundreds of products that cancel,
+so its rounding is far above 1e-6; the outputs it is made of are compared element by element.
 """
 
 import copy
@@ -131,8 +133,9 @@ def check_model(module: torch.nn.Module, inputs: tuple, loss_fn=None, targets: t
         step = jax.jit(jax.value_and_grad(objective, has_aux=True))
         (loss, (outputs, new_buffers)), grads = step(params)
 
+    if loss_fn is not None:
+        assert_close(loss, expected_loss, rtol, atol, "loss")
     _compare_outputs(outputs, expected, rtol, atol)
-    assert_close(loss, expected_loss, rtol, atol, "loss")
     for name, param in named_params.items():
         expected_grad = param.grad if param.grad is not None else torch.zeros_like(param)
         assert_close(grads[name], expected_grad, rtol, atol if grad_atol is None else grad_atol,
