@@ -86,17 +86,16 @@ def _route_to_ipu(connector) -> None:
             f"precision=... (one of {', '.join(SUPPORTED_PRECISIONS)}) or an IPUPrecision")
 
 
-def count_extra_optimizer_steps(trainer, steps: int) -> None:
-    """Add ``steps`` optimizer steps to the loop's progress: ``trainer.global_step`` and the
-    step at which loggers record (automatic and manual optimization)."""
-    if steps <= 0:
-        return
+def count_extra_optimizer_steps(trainer, optimizer_steps: int, batches: int) -> None:
+    """Add ``optimizer_steps`` to the loop's optimizer-step progress (``trainer.global_step``; the
+    optimizer steps of automatic optimization, every ``optimizer.step()`` of manual optimization)
+    and ``batches`` to the batches that stepped (the step loggers record at)."""
     epoch_loop = trainer.fit_loop.epoch_loop
     if trainer.lightning_module.automatic_optimization:
         progress = epoch_loop.automatic_optimization.optim_progress.optimizer.step
     else:
         progress = epoch_loop.manual_optimization.optim_step_progress
-    for _ in range(steps):
+    for _ in range(optimizer_steps):
         progress.increment_ready()
         progress.increment_completed()
-    epoch_loop._batches_that_stepped += steps
+    epoch_loop._batches_that_stepped += batches

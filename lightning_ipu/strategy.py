@@ -32,6 +32,7 @@ initial seed), and ``16-mixed`` precision turns on dynamic loss scaling.
 """
 
 import contextlib
+import functools
 import os
 import warnings
 from collections.abc import Mapping
@@ -52,12 +53,14 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 import ipu_backend
 from ipu_backend.runtime.clipping import GradientClipping
 from ipu_backend.runtime.executor import PoplarExecutor
+from ipu_backend.runtime.manual import ManualStepExecutor, SchedulerStep, Step
 from lightning_ipu import _data, _outputs
 
 from . import _lightning_hooks
 from .precision import IPUPrecision
 
 _HOST_TRANSFER_HOOKS = ("transfer_batch_to_device", "on_after_batch_transfer")
+_MISSING = object()
 
 
 def _as_options(value: Any, name: str) -> ipu_backend.Options | None:
@@ -318,10 +321,7 @@ class IPUStrategy(ParallelStrategy):
                           "the backward pass is part of the compiled training step", stacklevel=3)
 
     def _check_training(self, trainer) -> None:
-        module = self.lightning_module
-        if not module.automatic_optimization:
-            raise MisconfigurationException("manual optimization is not supported by IPUStrategy yet")
-        if isinstance(self.optimizers[0], torch.optim.LBFGS):
+        if any(isinstance(optimizer, torch.optim.LBFGS) for optimizer in self.optimizers):
             raise MisconfigurationException("LBFGS re-evaluates the loss inside step(), which a "
                                             "compiled IPU training step cannot do; use another optimizer")
         iterations = self._training_opts.device_iterations
@@ -371,7 +371,11 @@ class IPUStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():
             output = self._run("training_step", args, kwargs)
-        _lightning_hooks.count_extra_optimizer_steps(self._trainer, self._training_opts.device_iterations - 1)
+        iterations = self._training_opts.device_iterations
+        if self.lightning_module.automatic_optimization:
+            _lightning_hooks.count_extra_optimizer_steps(self._trainer, iterations - 1, iterations - 1)
+        else:
+            self._after_manual_step(self._executors["training_step"].last_events, iterations)
         return output
 
     @override
@@ -404,6 +408,10 @@ class IPUStrategy(ParallelStrategy):
 
     def _executor(self, method: str) -> PoplarExecutor:
         executor = self._executors.get(method)
+        if executor is None and method == "training_step" and not self.lightning_module.automatic_optimization:
+            executor = self._executors[method] = ManualStepExecutor(
+                self.lightning_module, self._training_opts, self.optimizers, method,
+                functools.partial(self._manual_calls_recorded))
         if executor is None:
             training = method == "training_step"
             executor = PoplarExecutor(
@@ -412,6 +420,66 @@ class IPUStrategy(ParallelStrategy):
                 gradient_clipping=self._gradient_clipping if training else None)
             self._executors[method] = executor
         return executor
+
+    # --- manual optimization ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def _manual_calls_recorded(self, events):
+        """While a manual training step is captured, its ``manual_backward``, optimizer
+        ``zero_grad``/``step``, ``clip_gradients`` and scheduler ``step`` calls go to ``events``."""
+        module = self.lightning_module
+        saved = []
+
+        def patch(owner, name, value):
+            saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
+            owner.__dict__[name] = value
+
+        def index_of(optimizer) -> int:
+            for index, candidates in enumerate(zip(self._lightning_optimizers, self.optimizers)):
+                if any(optimizer is c for c in candidates):
+                    return index
+            raise MisconfigurationException("clip_gradients got an optimizer that configure_optimizers "
+                                            "did not return")
+
+        def step(index, closure=None, **kwargs):
+            if closure is not None:
+                raise MisconfigurationException(
+                    "optimizer.step(closure=...) in a manual training step cannot be compiled for IPUs: "
+                    "call self.manual_backward(loss) and then optimizer.step()")
+            events.step(index)
+
+        def clip_gradients(optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            if gradient_clip_val is not None and gradient_clip_val > 0:
+                algorithm = GradClipAlgorithmType(gradient_clip_algorithm or "norm").value
+                events.clip(index_of(optimizer), gradient_clip_val, algorithm)
+
+        for index, optimizers in enumerate(zip(self._lightning_optimizers, self.optimizers)):
+            for optimizer in optimizers:
+                patch(optimizer, "step", functools.partial(step, index))
+                patch(optimizer, "zero_grad", lambda set_to_none=True, index=index: events.zero_grad(index, set_to_none))
+        patch(module, "manual_backward", lambda loss, *args, **kwargs: events.backward(loss))
+        patch(module, "clip_gradients", clip_gradients)
+        for index, config in enumerate(self.lr_scheduler_configs):
+            patch(config.scheduler, "step", lambda *args, index=index, **kwargs: events.scheduler_step(index))
+        try:
+            yield
+        finally:
+            for owner, name, value in reversed(saved):
+                if value is _MISSING:
+                    del owner.__dict__[name]
+                else:
+                    owner.__dict__[name] = value
+
+    def _after_manual_step(self, events: tuple, iterations: int) -> None:
+        """What Lightning would have seen: each ``optimizer.step()`` counted (``global_step``), and
+        the schedulers the step stepped stepped on the host, once per training step run."""
+        steps = sum(isinstance(event, Step) for event in events)
+        _lightning_hooks.count_extra_optimizer_steps(self._trainer, steps * iterations, iterations - 1)
+        for optimizer in self.optimizers:
+            optimizer._opt_called = True       # stepped on the IPUs (see IPUPrecision.optimizer_step)
+        for _ in range(iterations):
+            for event in events:
+                if isinstance(event, SchedulerStep):
+                    self.lr_scheduler_configs[event.scheduler].scheduler.step()
 
     def _with_batch_index(self, method: str, args: tuple, factor: int) -> tuple:
         """``batch_idx`` as a constant 0 when the step never reads it (one program for every

@@ -1,0 +1,421 @@
+"""Manual optimization compiled whole: a training step that runs backward passes and optimizer
+steps itself, in Python (a LightningModule with ``automatic_optimization = False``, e.g. a GAN
+with a generator and a discriminator optimizer), as one program on the emulated IPUs.
+
+While the step is captured its calls are routed (by the caller's ``intercept``) to a
+:class:`StepEvents` recorder, which notes them in order:
+
+* ``backward(loss)``: the gradient of ``loss`` w.r.t. every parameter that requires grad at that
+  moment, added to the parameters' gradients (mean over replicas, as DDP all-reduces them);
+* ``zero_grad(o)``: the gradients of optimizer ``o``'s parameters cleared (``set_to_none``: absent);
+* ``clip(o, value, algorithm)``: ``clip_grad_norm_``/``clip_grad_value_`` on ``o``'s gradients;
+* ``step(o)``: ``o``'s update rule on the parameters that have a gradient (torch skips the others);
+* ``scheduler_step(k)``: not compiled; the host replays it after each call (:attr:`last_events`).
+
+The step is captured twice: the first capture finds the events, the second gives each optimizer
+step a fresh copy of the parameters it updates (a *version*: extra inputs of the program, swapped
+into the module at the step), so that code after a step reads the stepped values. The device
+program then walks the events: each backward differentiates the whole program's value of its loss
+w.r.t. the latest version of each parameter (XLA keeps only what that loss needs), each step turns
+the gradients into the next version, and one last evaluation with every version in place gives
+the step's results, ``self.log`` values and buffers. Every evaluation uses the same random key, so
+a dropout mask is the same in a loss and in the results.
+
+Not emulated: ``.grad`` carried from one training step into the next (each step starts with no
+gradients, as after ``zero_grad``), closures passed to ``step``, gradient accumulation over host
+batches, and dynamic loss scaling.
+"""
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+import torch
+import torch.utils._pytree as torch_pytree
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ipu_backend.compiler import compile_module
+from ipu_backend.enums import OutputMode
+from ipu_backend.errors import Error
+from ipu_backend.runtime import compilation_cache
+from ipu_backend.runtime.clipping import GradientClipping
+from ipu_backend.runtime.devices import replica_mesh
+from ipu_backend.runtime.optimizers import optimizer_rule
+from ipu_backend.runtime.outputs import inputs_to_device, output_to_host
+from ipu_backend.runtime.step import (
+    REPLICA,
+    OutputLayout,
+    Schedule,
+    _from_replica_zero,
+    _loop,
+    _replica_keys,
+    _select_outputs,
+)
+from ipu_backend.runtime.weights import release, weight_store
+
+logger = logging.getLogger("ipu_backend")
+
+_OUTPUT_MODES = {OutputMode.All: "all", OutputMode.Final: "final", OutputMode.Sum: "sum",
+                 OutputMode.EveryN: "every_n", OutputMode.Default: "final"}
+_STEP_ATTRIBUTE = "_ipu_manual_training_step"
+
+
+@dataclass(frozen=True)
+class Backward:
+    loss: int                       # index among the step's backward losses
+    targets: tuple[str, ...]        # parameters requiring grad at the call
+
+
+@dataclass(frozen=True)
+class ZeroGrad:
+    optimizer: int
+    set_to_none: bool = True
+
+
+@dataclass(frozen=True)
+class Clip:
+    optimizer: int
+    clipping: GradientClipping
+
+
+@dataclass(frozen=True)
+class Step:
+    optimizer: int
+    version: int                    # which copy of the parameters this step produces
+
+
+@dataclass(frozen=True)
+class SchedulerStep:
+    scheduler: int
+
+
+class StepEvents:
+    """What a manual training step does, recorded while it is captured."""
+
+    def __init__(self, module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]):
+        self._module = module
+        self._parameters = list(torch.nn.Module.named_parameters(module))
+        names = {id(p): n for n, p in self._parameters}
+        self.groups = tuple(tuple(names[id(p)] for g in opt.param_groups for p in g["params"])
+                            for opt in optimizers)
+        self.events: list = []
+        self.losses: list = []
+        self._versions = None
+        self._replaced: dict = {}
+
+    def begin(self, versions) -> None:
+        """Start a capture; ``versions`` (one dict of tensors per step, or None) are swapped in."""
+        self.events, self.losses, self._versions, self._replaced = [], [], versions, {}
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            raise Error("manual_backward needs a scalar floating-point loss tensor")
+        targets = tuple(n for n, p in self._parameters if p.requires_grad)
+        self.events.append(Backward(len(self.losses), targets))
+        self.losses.append(loss.reshape(()))
+
+    def zero_grad(self, optimizer: int, set_to_none: bool = True) -> None:
+        self.events.append(ZeroGrad(optimizer, bool(set_to_none)))
+
+    def clip(self, optimizer: int, value: float, algorithm: str) -> None:
+        self.events.append(Clip(optimizer, GradientClipping(float(value), algorithm)))
+
+    def step(self, optimizer: int) -> None:
+        version = sum(isinstance(e, Step) for e in self.events)
+        self.events.append(Step(optimizer, version))
+        if self._versions is not None:
+            for name, tensor in self._versions[version].items():
+                self._swap(name, tensor)
+
+    def scheduler_step(self, scheduler: int) -> None:
+        self.events.append(SchedulerStep(scheduler))
+
+    def restore(self) -> None:
+        """Put the module's own parameters back after a capture."""
+        for (owner, leaf), original in self._replaced.items():
+            owner._parameters[leaf] = original
+        self._replaced = {}
+
+    def _swap(self, name: str, tensor: torch.Tensor) -> None:
+        prefix, _, leaf = name.rpartition(".")
+        owner = self._module.get_submodule(prefix)
+        self._replaced.setdefault((owner, leaf), owner._parameters[leaf])
+        owner._parameters[leaf] = tensor
+
+
+class _Compiled:
+    def __init__(self, call, program, layout, output_dtypes, log_dtypes, events, rules):
+        self.call, self.program, self.layout = call, program, layout
+        self.output_dtypes, self.log_dtypes = output_dtypes, log_dtypes
+        self.events, self.rules = events, rules
+        self.executable = None
+        self.started = time.perf_counter()
+
+
+class ManualStepExecutor:
+    """Runs ``model.<step_method>(*args)``, a manual-optimization training step, compiled whole.
+
+    ``optimizers`` are the torch optimizers the step uses (their index is the one
+    ``intercept`` gives :class:`StepEvents`); ``intercept(events)`` is a context manager that
+    routes the step's backward, optimizer, clipping and scheduler calls to ``events``.
+    Each call runs ``options.device_iterations`` training steps on ``options.replication_factor``
+    replicas; the weights are shared with the model's other executors.
+    """
+
+    def __init__(self, model: torch.nn.Module, options, optimizers: Sequence[torch.optim.Optimizer],
+                 step_method: str, intercept: Callable):
+        options._freeze()
+        self._options = options.clone()
+        self._options._freeze()
+        if self._options.Training.gradient_accumulation != 1:
+            raise Error("gradient accumulation is not available with manual optimization: accumulate "
+                        "in the training step (several manual_backward calls before a step)")
+        if self._options.Training.auto_loss_scaling:
+            raise Error("automatic loss scaling is not available with manual optimization")
+        self._model = model
+        self._optimizers = list(optimizers)
+        self._step_method = step_method
+        self._intercept = intercept
+        self._store = weight_store(model)
+        self._store.on_host_sync.append(self._optimizer_states_to_host)
+        self._compiled: dict = {}
+        self._opt_states = None
+        self._calls = 0
+        seed = self._options.random_seed
+        self._seed = int(torch.randint(0, 2**31 - 1, ())) if seed is None else seed
+        self.last_logs: dict = {}
+        self.last_program = None
+        self.last_events: tuple = ()
+        compilation_cache.configure(self._options.executable_cache_dir)
+
+    @property
+    def options(self):
+        return self._options
+
+    def __call__(self, *args):
+        compiled = self._compile(tuple(args))
+        schedule = self._schedule()
+        mesh = replica_mesh(schedule.replicas)
+        inputs = inputs_to_device(args, schedule, mesh)
+        params, buffers = self._store.device_state()
+        hypers = tuple(rule.hyperparameters(opt) for rule, opt in zip(compiled.rules, self._optimizers))
+        if self._opt_states is None:
+            self._opt_states = tuple(
+                rule.state_from_torch(opt, params) if any(opt.state.get(p) for g in opt.param_groups
+                                                           for p in g["params"]) else rule.init(params)
+                for rule, opt in zip(compiled.rules, self._optimizers))
+        self._calls += 1
+        key = jax.random.fold_in(jax.random.key(self._seed), self._calls)
+        state = jax.device_put({"params": params, "buffers": buffers, "opt": self._opt_states},
+                               NamedSharding(mesh, P()))
+        call_args = (state, inputs, hypers, key)
+        if compiled.executable is None:
+            compiled.executable = compiled.call.lower(*call_args).compile()
+            logger.info("compiled the manual training program in %.2f s", time.perf_counter() - compiled.started)
+        state, arrays, logs = compiled.executable(*call_args)
+        self._opt_states = state["opt"]
+        self._store.update(state["params"], state["buffers"])
+        self.last_program, self.last_events = compiled.program, compiled.events
+        self.last_logs = {name: output_to_host(v, compiled.log_dtypes[name]) for name, v in logs.items()}
+        return compiled.layout.join([output_to_host(a, d) for a, d in zip(arrays, compiled.output_dtypes)])
+
+    def copyWeightsToHost(self) -> None:  # noqa: N802  (PopTorch's name)
+        self._store.sync_to_host()
+
+    def destroy(self) -> None:
+        release(self._model)
+        self._compiled.clear()
+
+    # --- internals -------------------------------------------------------------------------
+    def _schedule(self) -> Schedule:
+        mode = self._options.output_mode
+        return Schedule(device_iterations=self._options.device_iterations, accumulation=1,
+                        replicas=self._options.replication_factor, output_mode=_OUTPUT_MODES[mode],
+                        output_period=self._options.output_return_period or 1)
+
+    def _compile(self, args: tuple) -> _Compiled:
+        leaves, spec = torch_pytree.tree_flatten(args)
+        signature = (spec,) + tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("const", x)
+                                    for x in leaves)
+        compiled = self._compiled.get(signature)
+        if compiled is None:
+            compiled = self._compiled[signature] = self._build(args)
+        return compiled
+
+    def _micro_batch(self, args: tuple, schedule: Schedule) -> tuple:
+        def first(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            if x.ndim == 0 or x.shape[0] % schedule.factor:
+                raise Error(f"the input's batch dimension ({tuple(x.shape)}) must be a multiple of "
+                            f"device_iterations x replication_factor = {schedule.factor}")
+            return x[: x.shape[0] // schedule.factor]
+        return torch_pytree.tree_map(first, args)
+
+    def _capture(self, micro: tuple, events: StepEvents, versions):
+        model, method, intercept = self._model, self._step_method, self._intercept
+
+        def step(*call_args):
+            step_args = call_args if versions is None else call_args[:-1]
+            events.begin(None if versions is None else call_args[-1])
+            try:
+                with intercept(events):
+                    result = getattr(model, method)(*step_args)
+            finally:
+                events.restore()
+            return result, list(events.losses)
+
+        object.__setattr__(model, _STEP_ATTRIBUTE, step)
+        was_training = model.training
+        model.train(True)
+        try:
+            return compile_module(model, micro if versions is None else (*micro, versions), method=_STEP_ATTRIBUTE)
+        finally:
+            model.train(was_training)
+            object.__delattr__(model, _STEP_ATTRIBUTE)
+
+    def _build(self, args: tuple) -> _Compiled:
+        schedule = self._schedule()
+        micro = self._micro_batch(args, schedule)
+        self._store.sync_to_host()
+        events = StepEvents(self._model, self._optimizers)
+        self._capture(micro, events, None)
+        steps = [e for e in events.events if isinstance(e, Step)]
+        if not steps:
+            raise Error(f"{self._step_method} never steps an optimizer: with manual optimization it "
+                        "must call manual_backward(loss) and optimizer.step()")
+        params = dict(torch.nn.Module.named_parameters(self._model))
+        versions = tuple({n: torch.zeros_like(params[n]) for n in events.groups[s.optimizer]} for s in steps)
+        program = self._capture(micro, events, versions)
+        names = {id(p): n for n, p in params.items()}
+        rules = tuple(optimizer_rule(opt, names) for opt in self._optimizers)
+        layout = OutputLayout()
+        result_count = program.output_spec.child(0).child(0).num_leaves
+        output = next(n for n in program.graph_module.graph.nodes if n.op == "output")
+        nodes = [n for n in output.args[0][len(program.mutated_buffers):] if isinstance(n, torch.fx.Node)]
+        results = [n for n in output.args[0][len(program.mutated_buffers):][:result_count]
+                   if isinstance(n, torch.fx.Node)]
+        log_names = [call.name for call in program.logs if call.is_tensor]
+        log_nodes = nodes[len(nodes) - len(log_names):] if log_names else []
+        log_dtypes = {name: n.meta["val"].dtype for name, n in zip(log_names, log_nodes)}
+        call = _manual_call(program, micro, tuple(events.events), events.groups, rules, schedule,
+                            replica_mesh(schedule.replicas), layout)
+        return _Compiled(call, program, layout, [n.meta["val"].dtype for n in results], log_dtypes,
+                         tuple(events.events), rules)
+
+    def _optimizer_states_to_host(self) -> None:
+        compiled = next(iter(self._compiled.values()), None)
+        if self._opt_states is None or compiled is None:
+            return
+        for rule, state, opt in zip(compiled.rules, jax.device_get(self._opt_states), self._optimizers):
+            rule.state_to_torch(state, opt)
+
+
+def _used_inputs(fn, args) -> list[bool]:
+    """Which of ``fn``'s flattened array arguments its result depends on (data flow)."""
+    closed = jax.make_jaxpr(fn)(*args)
+    jaxpr = closed.jaxpr
+    used = {v for v in jaxpr.outvars if isinstance(v, jex.core.Var)}
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in used for v in eqn.outvars):
+            used.update(v for v in eqn.invars if isinstance(v, jex.core.Var))
+    return [v in used for v in jaxpr.invars]
+
+
+def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tuple, schedule: Schedule,
+                 mesh, layout: OutputLayout):
+    """``call(state, inputs, hypers, key) -> (state, outputs, logs)``, jitted over the mesh."""
+    leaves, spec = torch_pytree.tree_flatten(micro)
+    is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+    local = schedule.replicas // mesh.size
+    steps = [e for e in events if isinstance(e, Step)]
+
+    def evaluate(params, buffers, arrays, versions, key):
+        """The step's program: ``((result, losses), new_buffers, logs)``."""
+        arrays = iter(arrays)
+        merged = [next(arrays) if t else x for t, x in zip(is_tensor, leaves)]
+        return program.logged_fn(params, buffers, (*torch_pytree.tree_unflatten(merged, spec), tuple(versions)), key)
+
+    def with_targets(params, versions, latest, targets):
+        """The program's parameter inputs with ``targets`` at each one's latest version."""
+        params, versions = dict(params), [dict(v) for v in versions]
+        for name, value in targets.items():
+            if latest[name] is None:
+                params[name] = value
+            else:
+                versions[latest[name]][name] = value
+        return params, versions
+
+    def iteration(carry, xs):
+        params, buffers, opt_states, hypers = carry
+        inputs, key = xs                                        # inputs: [1, r, m, ...]
+        inputs = jax.tree.map(lambda x: x[0], inputs)
+        keys = _replica_keys(key, local)
+        current = dict(params)
+        latest = dict.fromkeys(params)
+        versions = [{n: params[n] for n in groups[s.optimizer]} for s in steps]
+        grads: dict = {}
+        opt_states = list(opt_states)
+        for event in events:
+            if isinstance(event, Backward):
+                def loss(targets, replica_inputs, replica_key, event=event, versions=tuple(versions),
+                         latest=dict(latest)):
+                    p, v = with_targets(params, versions, latest, targets)
+                    (_, losses), _, _ = evaluate(p, buffers, replica_inputs, v, replica_key)
+                    return losses[event.loss].astype(jnp.float32)
+
+                targets = {n: current[n] for n in event.targets}
+                first = (jax.tree.map(lambda x: x[0], inputs), keys[0])
+                flat_targets, _ = jax.tree.flatten(targets)
+                used = _used_inputs(lambda t, i, k: loss(t, i, k), (targets, *first))[:len(flat_targets)]
+                reached = {n for n, u in zip(sorted(targets), used) if u}
+                value = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(targets, inputs, keys)
+                for name in sorted(reached):
+                    g = jax.lax.psum(value[name].sum(0), REPLICA) / schedule.replicas
+                    grads[name] = grads[name] + g if name in grads else g
+            elif isinstance(event, ZeroGrad):
+                for name in groups[event.optimizer]:
+                    if event.set_to_none:
+                        grads.pop(name, None)
+                    elif name in grads:
+                        grads[name] = jnp.zeros_like(grads[name])
+            elif isinstance(event, Clip):
+                present = [n for n in groups[event.optimizer] if n in grads]
+                grads.update(event.clipping(grads, present))
+            elif isinstance(event, Step):
+                rule = rules[event.optimizer]
+                full = {n: grads.get(n, jnp.zeros_like(current[n])) for n in rule.names}
+                new_params, new_state = rule.update(full, opt_states[event.optimizer], current, hypers[event.optimizer])
+                state = dict(opt_states[event.optimizer])
+                for name in rule.names:
+                    if name in grads:
+                        current[name] = new_params[name]
+                        state[name] = new_state[name]
+                opt_states[event.optimizer] = state
+                versions[event.version] = {n: current[n] for n in groups[event.optimizer]}
+                for name in groups[event.optimizer]:
+                    latest[name] = event.version
+
+        def final(replica_inputs, replica_key):
+            (result, _), new_buffers, logs = evaluate(params, buffers, replica_inputs, versions, replica_key)
+            return (layout.split(result), logs), new_buffers
+
+        outputs, new_buffers = jax.vmap(final)(inputs, keys)
+        return (current, _from_replica_zero(new_buffers, local), tuple(opt_states), hypers), \
+            jax.tree.map(lambda y: y[None], outputs)
+
+    def device_program(state, inputs, hypers, key):
+        keys = jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(schedule.device_iterations))
+        carry = (state["params"], state["buffers"], state["opt"], hypers)
+        (params, buffers, opt_states, _), ys = _loop(iteration, carry, (inputs, keys), schedule.device_iterations)
+        arrays, logs = jax.tree.map(lambda y: jnp.moveaxis(y, 2, 0), _select_outputs(ys, schedule))
+        return {"params": params, "buffers": buffers, "opt": opt_states}, arrays, logs
+
+    sharded = jax.shard_map(device_program, mesh=mesh, in_specs=(P(), P(None, None, REPLICA), P(), P()),
+                            out_specs=(P(), P(REPLICA), P(REPLICA)), check_vma=False)
+    return jax.jit(sharded, donate_argnums=(0,))

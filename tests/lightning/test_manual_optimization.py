@@ -1,0 +1,85 @@
+"""Manual optimization with two optimizers (a GAN), compiled whole, against Lightning on the CPU:
+toggled optimizers, detached fakes, clip_gradients, zero_grad and a scheduler stepped in the step."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from tests.lightning.helpers import QUIET, Recorder, assert_same_weights, loader, twins
+
+
+class TinyGAN(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+        self.discriminator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx):
+        real, noise = batch
+        g_opt, d_opt = self.optimizers()
+        fake = self.generator(noise)
+
+        self.toggle_optimizer(g_opt)
+        verdict = self.discriminator(fake)
+        g_loss = F.binary_cross_entropy_with_logits(verdict, torch.ones_like(verdict))
+        g_opt.zero_grad()
+        self.manual_backward(g_loss)
+        g_opt.step()
+        self.untoggle_optimizer(g_opt)
+
+        self.toggle_optimizer(d_opt)
+        on_real, on_fake = self.discriminator(real), self.discriminator(fake.detach())
+        d_loss = (F.binary_cross_entropy_with_logits(on_real, torch.ones_like(on_real))
+                  + F.binary_cross_entropy_with_logits(on_fake, torch.zeros_like(on_fake))) / 2
+        d_opt.zero_grad()
+        self.manual_backward(d_loss)
+        self.clip_gradients(d_opt, gradient_clip_val=0.1, gradient_clip_algorithm="norm")
+        d_opt.step()
+        self.untoggle_optimizer(d_opt)
+
+        self.lr_schedulers().step()
+        self.log_dict({"train_loss": g_loss, "d_loss": d_loss}, prog_bar=True)
+
+    def configure_optimizers(self):
+        g_opt = torch.optim.Adam(self.generator.parameters(), lr=0.02)
+        d_opt = torch.optim.SGD(self.discriminator.parameters(), lr=0.1, momentum=0.9)
+        return [g_opt, d_opt], [torch.optim.lr_scheduler.StepLR(g_opt, step_size=1, gamma=0.7)]
+
+
+def gan_data(n=32):
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 4, generator=generator) + 2, torch.randn(n, 3, generator=generator))
+
+
+def test_a_gan_with_two_optimizers_trains_as_on_the_cpu():
+    ipu, cpu = twins(TinyGAN)
+    runs = []
+    for module, flags, batch in ((ipu, dict(accelerator="ipu", devices=2), 4), (cpu, dict(accelerator="cpu"), 8)):
+        recorder = Recorder()
+        trainer = pl.Trainer(max_epochs=2, callbacks=[recorder], **flags, **QUIET)
+        trainer.fit(module, loader(gan_data(), batch))
+        runs.append((trainer, recorder))
+    (ipu_trainer, ipu_rec), (cpu_trainer, cpu_rec) = runs
+    assert_same_weights(ipu, cpu)
+    assert ipu_trainer.global_step == cpu_trainer.global_step == 16          # two optimizer steps per batch
+    assert ipu_rec.lrs == pytest.approx(cpu_rec.lrs)
+    torch.testing.assert_close(torch.stack(ipu_rec.losses), torch.stack(cpu_rec.losses), rtol=1e-5, atol=1e-6)
+    for name in ("train_loss", "d_loss"):
+        torch.testing.assert_close(ipu_trainer.callback_metrics[name], cpu_trainer.callback_metrics[name],
+                                   rtol=1e-5, atol=1e-6)
+    for got, expected in zip(ipu_trainer.optimizers, cpu_trainer.optimizers):
+        torch.testing.assert_close(got.state_dict()["state"], expected.state_dict()["state"], rtol=1e-5, atol=1e-6)
+
+
+class StepsWithAClosure(TinyGAN):
+    def training_step(self, batch, batch_idx):
+        g_opt, _ = self.optimizers()
+        g_opt.step(closure=lambda: self.manual_backward(self.generator(batch[1]).sum()))
+
+
+def test_an_optimizer_closure_in_a_manual_step_is_refused():
+    with pytest.raises(pl.utilities.exceptions.MisconfigurationException, match=r"step\(closure=...\)"):
+        pl.Trainer(accelerator="ipu", max_steps=1, **QUIET).fit(StepsWithAClosure(), loader(gan_data(), 4))
