@@ -56,7 +56,7 @@ from ipu_backend.runtime.stages import (
     sources_from_export,
     sources_from_program,
 )
-from ipu_backend.runtime.step import REPLICA, OutputLayout, Schedule
+from ipu_backend.runtime.step import SCALER_GROWTH_INTERVAL, REPLICA, OutputLayout, Schedule, initial_scaler
 
 _RECOMPUTE_STAGES = (3, 4)      # PopART RecomputationType.Pipeline and RecomputeAll
 _RECOMPUTE_STANDARD = 1         # RecomputationType.Standard: keep matrix products, recompute the rest
@@ -134,6 +134,15 @@ def _weight_only(jaxpr, weight_leaves: int) -> list[bool]:
         if any(not isinstance(v, Literal) and v in dependent for v in eqn.invars):
             dependent.update(eqn.outvars)
     return [isinstance(v, Literal) or v not in dependent for v in jaxpr.outvars]
+
+
+def _next_scaler(scaler: dict, finite) -> dict:
+    """Dynamic loss scaling, as the single-IPU step: halve the scale after an overflow, double it
+    after ``SCALER_GROWTH_INTERVAL`` finite steps in a row."""
+    good = jnp.where(finite, scaler["good_steps"] + 1, 0)
+    grow = good >= SCALER_GROWTH_INTERVAL
+    scale = jnp.where(finite, jnp.where(grow, scaler["scale"] * 2, scaler["scale"]), scaler["scale"] / 2)
+    return {"scale": scale, "good_steps": jnp.where(grow, 0, good)}
 
 
 def _merge(dicts) -> dict:
@@ -260,8 +269,8 @@ class _Stage:
         leaves = [leaf if weight else next(stashed) for leaf, weight in zip(full, self.weight_only)]
         return jax.tree.unflatten(self._treedef, leaves)
 
-    def _loss_cotangent(self, hyper, rule):
-        return jnp.asarray(rule.loss_scale(hyper), self.loss_dtype) if self.has_loss else ()
+    def _loss_cotangent(self, scale):
+        return jnp.asarray(scale, self.loss_dtype) if self.has_loss else ()
 
     # --- program bodies (per device, inside shard_map) -------------------------------------------
     def _forward_body(self, params, buffers, received, inputs, key, d, a):
@@ -275,20 +284,20 @@ class _Stage:
         return (_expand({**sent_float, **sent_other}), _expand(outputs), self._replica_zero(new_buffers),
                 _expand(stash))
 
-    def _backward_body(self, acc, params, stash, cotangents, hyper):
+    def _backward_body(self, acc, params, stash, cotangents, scale):
         vjp_fn = self._rebuild_vjp(params, _squeeze(stash))
         cotangents = {n: sum(_squeeze(cts)) for n, cts in cotangents.items()}
         grads, received_cts = vjp_fn(({n: cotangents[n] for n in self.float_sent},
-                                      self._loss_cotangent(hyper, self.rule)))
+                                      self._loss_cotangent(scale)))
         return self._accumulate(acc, grads), _expand(received_cts)
 
-    def _forward_backward_body(self, acc, params, buffers, received, inputs, key, d, a, hyper):
+    def _forward_backward_body(self, acc, params, buffers, received, inputs, key, d, a, scale):
         micro, key = self._micro(inputs, key, d, a)
         received = _squeeze(received)
         received_float = {n: received[n] for n in self.float_received}
         rest = (buffers, {n: received[n] for n in self.other_received}, micro, key)
         _, vjp_fn, (_, outputs, new_buffers) = self._vjp(params, received_float, rest)
-        grads, received_cts = vjp_fn(({}, self._loss_cotangent(hyper, self.rule)))
+        grads, received_cts = vjp_fn(({}, self._loss_cotangent(scale)))
         return (self._accumulate(acc, grads), _expand(outputs), self._replica_zero(new_buffers),
                 _expand(received_cts))
 
@@ -298,13 +307,31 @@ class _Stage:
                                                micro, key)
         return _expand(sent), _expand(outputs), self._replica_zero(new_buffers)
 
-    def _update_body(self, params, opt, acc, hyper):
+    def _gradients(self, acc, loss_scale):
+        """The step's gradients of the unscaled loss: summed over replicas, averaged as asked."""
         schedule = self.settings.schedule
         scale_sum = schedule.accumulation * schedule.replicas if schedule.mean_reduction else 1
-        loss_scale = self.rule.loss_scale(hyper)
-        grads = {n: jax.lax.psum(g[0], REPLICA) / (scale_sum * loss_scale) for n, g in acc.items()}
+        return {n: jax.lax.psum(g[0], REPLICA) / (scale_sum * loss_scale) for n, g in acc.items()}
+
+    def _update_body(self, params, opt, acc, hyper):
+        grads = self._gradients(acc, self.rule.loss_scale(hyper))
         new_params, new_opt = self.rule.update(grads, opt, params, hyper)
         return new_params, new_opt, jax.tree.map(jnp.zeros_like, acc)
+
+    def _finite_body(self, acc, scaler):
+        """Whether this stage's gradients are finite (dynamic loss scaling)."""
+        grads = self._gradients(acc, scaler["scale"])
+        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads.values()] or [jnp.bool_(True)]))
+
+    def _scaled_update_body(self, params, opt, acc, hyper, scaler, finites):
+        """Dynamic loss scaling: every stage skips the step when any stage's gradients
+        overflowed, and the scale follows the single-IPU step's rule."""
+        grads = self._gradients(acc, scaler["scale"])
+        new_params, new_opt = self.rule.update(grads, opt, params, hyper)
+        finite = jnp.all(jnp.stack(finites))
+        new_params, new_opt = jax.tree.map(lambda n, o: jnp.where(finite, n, o), (new_params, new_opt),
+                                           (params, opt))
+        return new_params, new_opt, jax.tree.map(jnp.zeros_like, acc), _next_scaler(scaler, finite)
 
     def _accumulate(self, acc, grads):
         return {n: acc[n] + grads[n].astype(acc[n].dtype)[None] for n in acc}
@@ -337,6 +364,7 @@ class _Stage:
                   for i, a in self.input_avals.items()}
         key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=self.rep)
         index = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.rep)
+        scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.rep)
         self.programs = {}
         if not self.settings.training:
             self.programs["infer"] = self._spmd(
@@ -351,7 +379,7 @@ class _Stage:
                 self._forward_backward_body,
                 (P(REPLICA), P(), P(), P(REPLICA), P(None, None, REPLICA), P(), P(), P(), P()),
                 (P(REPLICA), P(REPLICA), P(), P(REPLICA)), (0, 2),
-                (acc, params, buffers, received, inputs, key, index, index, hyper))
+                (acc, params, buffers, received, inputs, key, index, index, scale))
         else:
             self.analyse_residuals()
             stash = [jax.ShapeDtypeStruct((self.settings.schedule.replicas, *a.shape), a.dtype,
@@ -365,23 +393,31 @@ class _Stage:
                 (params, buffers, received, inputs, key, index, index))
             self.programs["backward"] = self._spmd(
                 self._backward_body, (P(REPLICA), P(), P(REPLICA), P(REPLICA), P()),
-                (P(REPLICA), P(REPLICA)), (0,), (acc, params, stash, cotangents, hyper))
+                (P(REPLICA), P(REPLICA)), (0,), (acc, params, stash, cotangents, scale))
         opt = self._on(jax.eval_shape(self.rule.init, self.param_avals), self.opt_sharding)
-        self.programs["update"] = self._update_program(params, opt, acc, hyper)
+        if self.settings.schedule.dynamic_loss_scaling:
+            scaler = self._on(jax.eval_shape(initial_scaler), self.rep)
+            finites = [jax.ShapeDtypeStruct((), jnp.bool_, sharding=self.rep)] * self.settings.stages
+            self.programs["finite"] = self._spmd(self._finite_body, (P(REPLICA), P()), P(), (), (acc, scaler))
+            self.programs["update"] = self._update_program(
+                self._scaled_update_body, (P(), P(), P(REPLICA), P(), P(), P()),
+                (P(), P(), P(REPLICA), P()), (self.rep, self.opt_sharding, self.data, self.rep),
+                (params, opt, acc, hyper, scaler, finites))
+        else:
+            self.programs["update"] = self._update_program(
+                self._update_body, (P(), P(), P(REPLICA), P()), (P(), P(), P(REPLICA)),
+                (self.rep, self.opt_sharding, self.data), (params, opt, acc, hyper))
         return {name: _temporaries(p) for name, p in self.programs.items()}
 
-    def _update_program(self, params, opt, acc, hyper):
-        mapped = jax.shard_map(self._update_body, mesh=self.mesh, in_specs=(P(), P(), P(REPLICA), P()),
-                               out_specs=(P(), P(), P(REPLICA)), check_vma=False)
+    def _update_program(self, body, in_specs, out_specs, out_shardings, args):
+        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
-        def update(params, opt, acc, hyper):
+        def update(params, opt, *rest):
             if self.settings.offload:        # streamed in for the update, back to the host after
                 opt = jax.device_put(opt, jax.memory.Space.Device)
-            return mapped(params, opt, acc, hyper)
+            return mapped(params, opt, *rest)
 
-        return jax.jit(update, donate_argnums=(0, 1, 2),
-                       out_shardings=(self.rep, self.opt_sharding, self.data)).lower(
-            params, opt, acc, hyper).compile()
+        return jax.jit(update, donate_argnums=(0, 1, 2), out_shardings=out_shardings).lower(*args).compile()
 
     def zero_accumulator_avals(self) -> dict:
         """Gradient accumulators: one per parameter and replica, in the optimizer's accum_type."""
@@ -485,6 +521,9 @@ class MultiIpuProgram:
         user = self._user_inputs(inputs)
         keys = [jax.device_put(key, s.rep) for s in stages]
         hypers = [jax.device_put(hyper, s.rep) for s in stages]
+        dynamic = schedule.dynamic_loss_scaling
+        scalers = [jax.device_put(state["scaler"] if dynamic else {"scale": self.rule.loss_scale(hyper)}, s.rep)
+                   for s in stages]
         accs = [s.zero_accumulator() for s in stages]
         order = training_order(schedule.accumulation, len(stages), self.settings.pipelined)
         collected = {}
@@ -503,19 +542,27 @@ class MultiIpuProgram:
                 elif role == "FB":
                     accs[k], outputs, buffers[k], received_cts = program["forward_backward"](
                         accs[k], params[k], buffers[k], received.pop((k, m), {}), user[k], keys[k],
-                        index_d, np.int32(m), hypers[k])
+                        index_d, np.int32(m), scalers[k]["scale"])
                     self._send_back(received_cts, m, cotangents)
                 else:
                     accs[k], received_cts = program["backward"](
-                        accs[k], params[k], stash.pop((k, m)), dict(cotangents.pop((k, m), {})), hypers[k])
+                        accs[k], params[k], stash.pop((k, m)), dict(cotangents.pop((k, m), {})),
+                        scalers[k]["scale"])
                     self._send_back(received_cts, m, cotangents)
                     continue
                 if outputs and self._wanted(d, m, schedule.accumulation):
                     collected.setdefault((d, m), {}).update(outputs)
-            for k, stage in enumerate(stages):
-                params[k], opt[k], accs[k] = stage.programs["update"](params[k], opt[k], accs[k], hypers[k])
+            if dynamic:
+                finite = [stage.programs["finite"](accs[k], scalers[k]) for k, stage in enumerate(stages)]
+                for k, stage in enumerate(stages):
+                    params[k], opt[k], accs[k], scalers[k] = stage.programs["update"](
+                        params[k], opt[k], accs[k], hypers[k], scalers[k],
+                        [jax.device_put(f, stage.rep) for f in finite])
+            else:
+                for k, stage in enumerate(stages):
+                    params[k], opt[k], accs[k] = stage.programs["update"](params[k], opt[k], accs[k], hypers[k])
         new_state = {"params": _merge(params), "buffers": _merge(buffers), "opt": _merge(opt),
-                     "scaler": state["scaler"]}
+                     "scaler": scalers[0] if dynamic else state["scaler"]}
         return new_state, self._gather_outputs(collected)
 
     def _send(self, sent: dict, m: int, received) -> None:
@@ -612,11 +659,10 @@ def _recomputation(options) -> int:
 
 
 def _check_supported(options, hyper, training: bool) -> None:
-    if training and options.Training.auto_loss_scaling:
-        raise Error("automatic loss scaling is not emulated for models split over several IPUs yet; "
-                    "set a fixed loss_scaling on the optimizer instead")
     if training and options.Precision.stochastic_rounding:
         raise Error("stochastic rounding is not emulated for models split over several IPUs yet")
+    if training and options.Precision.master_weights:
+        raise Error("master weights are not emulated for models split over several IPUs yet")
     if training and math.isfinite(float(hyper["max_grad_norm"])):
         raise Error("max_grad_norm (gradient clipping over every parameter) is not emulated for "
                     "models split over several IPUs yet")

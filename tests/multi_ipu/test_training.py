@@ -138,3 +138,27 @@ def test_random_operations_draw_the_numbers_of_the_single_ipu_program():
         results.append(poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))(x, y))
     torch.testing.assert_close(results[1], results[0], rtol=RTOL, atol=ATOL)
     assert (results[1][0] == 0).any()
+
+
+@pytest.mark.parametrize("loss_scaling", [None, 3e38])
+def test_dynamic_loss_scaling_skips_and_scales_as_on_one_ipu(loss_scaling):
+    """From torch's default scale (no overflow: the numbers of unscaled training) and from one
+    so large that the first step overflows (skipped, the scale halved)."""
+    x, y = regression_data(3 * 3 * 4)
+    runs = []
+    for strategy in (poptorch.PipelinedExecution(poptorch.Stage("B1", "B2").ipu(0)),
+                     poptorch.PipelinedExecution("B1", "B2")):
+        torch.manual_seed(8)
+        model = TwoStages()
+        opts = options(strategy, device_iterations=3)
+        opts.Training.setAutomaticLossScaling(True)
+        optimizer = poptorch.optim.SGD(model.parameters(), lr=0.1, loss_scaling=loss_scaling or 1.0)
+        ipu = poptorch.trainingModel(model, opts, optimizer)
+        out, loss = ipu(x, y)
+        runs.append((out, loss, ipu.loss_scale(), [p.detach().clone() for p in model.parameters()]))
+    (out, loss, scale, params), (p_out, p_loss, p_scale, p_params) = runs
+    torch.testing.assert_close(p_out, out, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(p_loss, loss, rtol=RTOL, atol=ATOL)
+    assert p_scale == scale == pytest.approx(2.0 ** 16 if loss_scaling is None else 3e38 / 2)
+    for p, q in zip(p_params, params):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
