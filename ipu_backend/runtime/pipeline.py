@@ -212,17 +212,19 @@ class _Stage:
     def _micro(self, inputs, key, d, a):
         """This micro-batch's inputs and random key, as the single-IPU step derives them."""
         micro = {i: x[d, a, 0] for i, x in inputs.items()}
-        micro.update(self.static_inputs)
         key = jax.random.fold_in(key, d)
         if self.settings.training:
             key = jax.random.fold_in(key, a)
         return micro, jax.random.fold_in(key, jax.lax.axis_index(REPLICA))
 
+    def _run(self, params, buffers, received, inputs, key):
+        """The stage's graph; non-tensor arguments are constants of the program."""
+        return run_stage(self.part, self.plan, params, buffers, received, {**inputs, **self.static_inputs}, key)
+
     def _primal(self, params, received_float, rest):
         """The differentiated part: ``(values sent on that are floats, loss)``, the rest as aux."""
         buffers, received_other, inputs, key = rest
-        sent, outputs, new_buffers = run_stage(self.part, self.plan, params, buffers,
-                                               {**received_float, **received_other}, inputs, key)
+        sent, outputs, new_buffers = self._run(params, buffers, {**received_float, **received_other}, inputs, key)
         loss = outputs[self.settings.loss_index] if self.has_loss else ()
         return ({n: sent[n] for n in self.float_sent}, loss), \
             ({n: sent[n] for n in self.other_sent}, outputs, new_buffers)
@@ -248,7 +250,6 @@ class _Stage:
         received_float = {n: self.received_avals[n] for n in self.float_received}
         received_other = {n: self.received_avals[n] for n in self.other_received}
         inputs = {i: jax.ShapeDtypeStruct(a.shape[3:], a.dtype) for i, a in self.input_avals.items()}
-        inputs.update(self.static_inputs)
         key = jax.eval_shape(lambda: jax.random.key(0))
         return received_float, (self.buffer_avals, received_other, inputs, key)
 
@@ -303,8 +304,7 @@ class _Stage:
 
     def _infer_body(self, params, buffers, received, inputs, key, d):
         micro, key = self._micro(inputs, key, d, 0)
-        sent, outputs, new_buffers = run_stage(self.part, self.plan, params, buffers, _squeeze(received),
-                                               micro, key)
+        sent, outputs, new_buffers = self._run(params, buffers, _squeeze(received), micro, key)
         return _expand(sent), _expand(outputs), self._replica_zero(new_buffers)
 
     def _gradients(self, acc, loss_scale):

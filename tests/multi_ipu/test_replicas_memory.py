@@ -57,7 +57,7 @@ class Deep(nn.Module):
         return out, loss
 
 
-def train_deep(checkpoint: bool, recompute: bool):
+def train_deep(checkpoint: bool, recompute: int):
     torch.manual_seed(4)
     model, reference = twins(Deep(checkpoint))
     x, y = regression_data(2 * 3 * 4)
@@ -66,7 +66,7 @@ def train_deep(checkpoint: bool, recompute: bool):
     opts = poptorch.Options().deviceIterations(2).outputMode(poptorch.OutputMode.All)
     opts.Training.gradientAccumulation(3)
     if recompute:
-        opts._Popart.set("autoRecomputation", 3)
+        opts._Popart.set("autoRecomputation", recompute)
     ipu = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.05))
     out, loss = ipu(x, y)
     torch.testing.assert_close(out, expected_out, rtol=RTOL, atol=ATOL)
@@ -76,14 +76,17 @@ def train_deep(checkpoint: bool, recompute: bool):
 
 
 def test_recomputation_stashes_less_with_unchanged_numbers():
-    stored = train_deep(checkpoint=False, recompute=False)
-    checkpointed = train_deep(checkpoint=True, recompute=True)
-    recomputed = train_deep(checkpoint=False, recompute=True)
+    stored = train_deep(checkpoint=False, recompute=0)
+    standard = train_deep(checkpoint=False, recompute=1)          # RecomputationType.Standard
+    checkpointed = train_deep(checkpoint=True, recompute=3)       # RecomputationType.Pipeline
+    recomputed = train_deep(checkpoint=False, recompute=3)
     # Stage 0 of 2 holds 3 micro-batches: without recomputation each keeps every activation
-    # (≥ 3 × [4, 64] floats); recomputed, only its input x [4, 6]; checkpointed, x and h [4, 64].
+    # (≥ 3 × [4, 64] floats); recomputed, only its input x [4, 6]; checkpointed, x and h [4, 64];
+    # with Standard recomputation, the matrix products' results but not what tanh makes of them.
     assert stored >= 3 * 3 * 4 * 64 * 4
     assert recomputed == 3 * 4 * 6 * 4
     assert checkpointed == recomputed + 3 * 4 * 64 * 4
+    assert recomputed < standard < stored
 
 
 def test_offloaded_optimizer_state_lives_in_host_memory_with_unchanged_numbers():

@@ -162,3 +162,29 @@ def test_dynamic_loss_scaling_skips_and_scales_as_on_one_ipu(loss_scaling):
     assert p_scale == scale == pytest.approx(2.0 ** 16 if loss_scaling is None else 3e38 / 2)
     for p, q in zip(p_params, params):
         torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+
+
+class Powered(TwoStages):
+    """A non-tensor argument used on the second IPU (a constant of the compiled programs)."""
+
+    def forward(self, x, y, power):
+        with poptorch.Block("B1", ipu_id=0):
+            h = torch.tanh(self.fc1(x))
+        with poptorch.Block("B2", ipu_id=1):
+            out = self.fc2(h) ** power
+            return out, torch.nn.functional.mse_loss(out, y)
+
+
+def test_non_tensor_arguments_are_constants_of_the_stage_programs():
+    torch.manual_seed(9)
+    model, reference = twins(Powered())
+    x, y = regression_data(2 * 3 * 4)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    expected_out, expected_loss = torch_training(lambda *batch: reference(*batch, 2), optimizer, x, y,
+                                                 accumulation=3, micro=4)
+    ipu = poptorch.trainingModel(model, options(poptorch.ShardedExecution("B1", "B2")),
+                                 torch.optim.SGD(model.parameters(), lr=0.1))
+    out, loss = ipu(x, y, 2)
+    torch.testing.assert_close(out, expected_out, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    assert_same_parameters(model, reference)
