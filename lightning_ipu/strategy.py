@@ -25,6 +25,19 @@ and over the micro-batches the output mode returns (the last one by default in t
 logged training value is the last optimizer step's; with ``output_mode="all"`` the mean over the
 call's device iterations).
 
+Manual optimization (``automatic_optimization = False``, any number of optimizers) is compiled
+whole by ``ipu_backend.runtime.manual``: the step's ``manual_backward``, ``zero_grad``,
+``clip_gradients`` and ``optimizer.step()`` calls become one program, every ``optimizer.step()``
+counts in ``global_step`` as on the CPU, and schedulers the step steps are stepped on the host
+after each training step.
+
+Limits of a traced step: Python values (``self.current_epoch``, a branch on ``batch_idx``) are
+fixed when the step is captured, so ``batch_idx`` reaches a step that reads it as a one-element
+tensor; torchmetrics ``Metric`` objects cannot be called inside a step (their state lives in
+Python), the functional forms can; batches stay on the host (``on_before_batch_transfer``
+works, ``transfer_batch_to_device`` and ``on_after_batch_transfer`` overrides are refused); and
+callbacks reading ``.grad`` see none, since gradients live on the IPUs.
+
 Options: user ``training_opts``/``inference_opts`` are used as given; otherwise they come from
 the Trainer (``devices`` -> replication factor, ``accumulate_grad_batches`` -> gradient
 accumulation), ``device_iterations`` and the global seed (``seed_everything``, else torch's

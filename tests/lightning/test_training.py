@@ -11,6 +11,7 @@ from lightning_ipu import IPUStrategy
 from tests.lightning.helpers import (
     QUIET,
     Recorder,
+    Regressor,
     assert_same_metrics,
     assert_same_weights,
     dataset,
@@ -39,7 +40,7 @@ def test_four_replicas_with_batch_b_equal_the_cpu_with_batch_4b_in_all_four_loop
     assert_same_weights(ipu, cpu)
     assert ipu_trainer.global_step == cpu_trainer.global_step == 8
     assert_same_metrics(ipu_trainer.callback_metrics, cpu_trainer.callback_metrics,
-                        ["train_loss", "val_loss", "val_max_error"])
+                        ["train_loss", "val_loss", "val_max_error", "val_constant"])
     assert set(ipu_trainer.progress_bar_metrics) == set(cpu_trainer.progress_bar_metrics)
     torch.testing.assert_close(torch.stack(ipu_rec.losses), torch.stack(cpu_rec.losses), rtol=1e-5, atol=1e-6)
     assert ipu_rec.outputs[0].keys() == {"loss"} and ipu_rec.outputs[0]["loss"].shape == ()
@@ -58,8 +59,14 @@ def test_four_replicas_with_batch_b_equal_the_cpu_with_batch_4b_in_all_four_loop
     torch.testing.assert_close(torch.cat(got), torch.cat(expected), rtol=1e-5, atol=1e-6)
 
 
-def test_accumulate_grad_batches_accumulates_on_the_ipus_with_the_cpu_numbers():
-    ipu, cpu = twins()
+class PreparesBatches(Regressor):
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        x, y = batch
+        return x * 2, y - 1
+
+
+def test_accumulate_grad_batches_and_on_before_batch_transfer_give_the_cpu_numbers():
+    ipu, cpu = twins(PreparesBatches)
     (ipu_trainer, ipu_rec), (cpu_trainer, cpu_rec) = fit_pair(
         ipu, cpu, 4, 8, val=False, ipu_args={"devices": 2}, max_epochs=1, accumulate_grad_batches=2)
     assert_same_weights(ipu, cpu)
