@@ -189,9 +189,13 @@ class BasicBlock(nn.Module):
         self.body = nn.Sequential(
             nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False),
             nn.BatchNorm2d(out_channels), nn.ReLU(),
-            nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False), nn.BatchNorm2d(out_channels))
-        self.shortcut = nn.Identity() if stride == 1 and in_channels == out_channels else nn.Sequential(
-            nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False), nn.BatchNorm2d(out_channels))
+            nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(out_channels))
+        self.shortcut = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(out_channels))
 
     def forward(self, x):
         return torch.relu(self.body(x) + self.shortcut(x))

@@ -42,14 +42,15 @@ def test_multihead_attention_with_masks():
 def test_multihead_attention_kdim_vdim_per_head_weights():
     attention = nn.MultiheadAttention(8, 2, kdim=5, vdim=3, bias=False, add_bias_kv=True)
     query, key, value = torch.randn(3, 2, 8), torch.randn(4, 2, 5), torch.randn(4, 2, 3)
-    float_mask = torch.randn(3, 4)  # add_bias_kv appends a key the mask does not cover
+    float_mask = torch.randn(3, 4)  # the 4 given keys; torch pads it for the key add_bias_kv adds
     check_model(PerHeadAttention(attention), (query, key, value, float_mask))
 
 
 def test_scaled_dot_product_attention_causal_bool_and_float_masks():
     bool_mask = (torch.rand(5, 5) < 0.7) | torch.eye(5, dtype=torch.bool)
     float_mask = torch.randn(2, 1, 5, 5)
-    check_model(SelfAttention(nn.Linear(8, 3 * 8), heads=2), (torch.randn(2, 5, 8), bool_mask, float_mask))
+    check_model(SelfAttention(nn.Linear(8, 3 * 8), heads=2),
+                (torch.randn(2, 5, 8), bool_mask, float_mask))
 
 
 def test_embedding_with_padding_idx_and_heads():
