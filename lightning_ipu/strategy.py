@@ -414,7 +414,10 @@ class IPUStrategy(ParallelStrategy):
         factor = _data.micro_batches_per_call(executor.options)
         args = self._with_batch_index(method, args, factor)
         with _metric_objects_refused(self._metrics):
-            result = executor(*args)
+            try:
+                result = executor(*args)
+            except StopIteration as error:   # would silently end Lightning's loop
+                raise RuntimeError(f"the compiled {method} raised StopIteration") from error
         program = executor.last_program
         self._log(program, executor.last_logs)
         return _outputs.combine_outputs(result, program, _micro_batch_size(args[0], factor))

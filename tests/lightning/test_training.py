@@ -7,6 +7,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+import ipu_backend
 from lightning_ipu import IPUStrategy
 from tests.lightning.helpers import (
     QUIET,
@@ -85,30 +86,36 @@ def test_gradient_clipping_happens_inside_the_compiled_step(algorithm, value):
     assert_same_weights(ipu, cpu)
 
 
-def test_lr_schedulers_step_and_epoch_intervals_change_the_lr_without_recompiling(caplog):
+def test_lr_schedulers_step_and_epoch_intervals_change_the_lr_without_recompiling(caplog, tmp_path):
     ipu, cpu = twins(schedulers=(("step", "step"), ("exponential", "epoch")))
+    strategy = IPUStrategy(autoreport=True, autoreport_dir=str(tmp_path))
     with caplog.at_level(logging.INFO, logger="ipu_backend"):
-        (_, ipu_rec), (_, cpu_rec) = fit_pair(ipu, cpu, 16, 16, data=dataset(48), val=False, max_epochs=2)
+        (trainer, ipu_rec), (_, cpu_rec) = fit_pair(ipu, cpu, 16, 16, data=dataset(48), val=False, max_epochs=2,
+                                                    ipu_args={"strategy": strategy})
     assert_same_weights(ipu, cpu)
     assert ipu_rec.lrs == pytest.approx(cpu_rec.lrs) and len(set(ipu_rec.lrs)) > 3
     assert sum("compiled the training program" in r.getMessage() for r in caplog.records) == 1
+    assert trainer.strategy.training_opts.profiling_dir == str(tmp_path)
 
 
 def test_device_iterations_run_several_optimizer_steps_per_batch_and_count_them():
-    ipu, cpu = twins()
     cpu_recorder = Recorder()
     cpu_trainer = pl.Trainer(accelerator="cpu", max_steps=6, callbacks=[cpu_recorder], **QUIET)
+    _, cpu = twins()
     cpu_trainer.fit(cpu, loader(dataset(), 8))
-    recorder = Recorder()
-    trainer = pl.Trainer(accelerator="ipu", devices=2, strategy=IPUStrategy(device_iterations=3),
-                         max_steps=6, callbacks=[recorder], log_every_n_steps=3, **QUIET)
-    trainer.fit(ipu, loader(dataset(), 4))
-    assert_same_weights(ipu, cpu)
-    assert trainer.global_step == cpu_trainer.global_step == 6
-    assert recorder.steps == [3, 6]                 # two host calls of three optimizer steps
-    # The loss logged for a host call is its last optimizer step's.
-    torch.testing.assert_close(torch.stack(recorder.losses), torch.stack(cpu_recorder.losses[2::3]),
-                               rtol=1e-5, atol=1e-6)
+    cpu_losses = torch.stack(cpu_recorder.losses)
+    for output_mode, expected in (("default", cpu_losses[2::3]), ("all", cpu_losses.reshape(2, 3).mean(1))):
+        ipu, _ = twins()
+        recorder = Recorder()
+        options = ipu_backend.Options(device_iterations=3, replication_factor=2, output_mode=output_mode)
+        trainer = pl.Trainer(accelerator="ipu", devices=2, strategy=IPUStrategy(training_opts=options),
+                             max_steps=6, callbacks=[recorder], log_every_n_steps=3, **QUIET)
+        trainer.fit(ipu, loader(dataset(), 4))
+        assert_same_weights(ipu, cpu)
+        assert trainer.global_step == cpu_trainer.global_step == 6
+        assert recorder.steps == [3, 6]                 # two host calls of three optimizer steps
+        # A host call logs its last optimizer step's loss, or with output_mode="all" the mean of its steps'.
+        torch.testing.assert_close(torch.stack(recorder.losses), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_limits_val_check_interval_and_max_steps_behave_as_on_the_cpu():
