@@ -205,6 +205,7 @@ class _Stage:
         self.static_inputs = {i: static_inputs[i] for i in plan.inputs if i in static_inputs}
         self.rule = None if rule is None else _stage_rule(rule, set(plan.params))
         self._treedef = None
+        self._indices: list[jax.Array] = []
         self.weight_only = None
         self.stash_avals = None
 
@@ -419,6 +420,13 @@ class _Stage:
 
         return jax.jit(update, donate_argnums=(0, 1, 2), out_shardings=out_shardings).lower(*args).compile()
 
+    def index(self, i: int) -> jax.Array:
+        """Iteration or micro-batch index ``i`` on this stage's devices, transferred once and kept:
+        the schedule loop then dispatches without a host-to-device copy."""
+        while len(self._indices) <= i:
+            self._indices.append(jax.device_put(np.int32(len(self._indices)), self.rep))
+        return self._indices[i]
+
     def zero_accumulator_avals(self) -> dict:
         """Gradient accumulators: one per parameter and replica, in the optimizer's accum_type."""
         return {n: jax.ShapeDtypeStruct((self.settings.schedule.replicas, *a.shape), self.rule.accum_dtype)
@@ -528,7 +536,6 @@ class MultiIpuProgram:
         order = training_order(schedule.accumulation, len(stages), self.settings.pipelined)
         collected = {}
         for d in range(schedule.device_iterations):
-            index_d = np.int32(d)
             received = defaultdict(dict)                          # (stage, micro) -> name -> value
             cotangents = defaultdict(lambda: defaultdict(list))   # (stage, micro) -> name -> [ct]
             stash = {}
@@ -536,13 +543,13 @@ class MultiIpuProgram:
                 program = stages[k].programs
                 if role == "F":
                     sent, outputs, buffers[k], stash[k, m] = program["forward"](
-                        params[k], buffers[k], received.pop((k, m), {}), user[k], keys[k], index_d,
-                        np.int32(m))
+                        params[k], buffers[k], received.pop((k, m), {}), user[k], keys[k],
+                        stages[k].index(d), stages[k].index(m))
                     self._send(sent, m, received)
                 elif role == "FB":
                     accs[k], outputs, buffers[k], received_cts = program["forward_backward"](
                         accs[k], params[k], buffers[k], received.pop((k, m), {}), user[k], keys[k],
-                        index_d, np.int32(m), scalers[k]["scale"])
+                        stages[k].index(d), stages[k].index(m), scalers[k]["scale"])
                     self._send_back(received_cts, m, cotangents)
                 else:
                     accs[k], received_cts = program["backward"](
@@ -586,7 +593,7 @@ class MultiIpuProgram:
         collected = {}
         for k, d in inference_order(schedule.device_iterations, len(stages), self.settings.pipelined):
             sent, outputs, buffers[k] = stages[k].programs["infer"](
-                params[k], buffers[k], received.pop((k, d), {}), user[k], keys[k], np.int32(d))
+                params[k], buffers[k], received.pop((k, d), {}), user[k], keys[k], stages[k].index(d))
             self._send(sent, d, received)
             if outputs and self._wanted(d, 0, 1):
                 collected.setdefault((d, 0), {}).update(outputs)
