@@ -158,18 +158,12 @@ def sources_from_export(exported: torch.export.ExportedProgram, prefix: str = ""
     return sources
 
 
-def partition(graph_module: torch.fx.GraphModule, sources: Mapping[str, tuple], mutated: tuple[str, ...],
-              out_spec: torch_pytree.TreeSpec, strategy: PipelinedExecution) -> Partition:
-    """Split ``graph_module`` (core ATen, its nodes tagged with blocks) into stages. ``sources``
-    says where each placeholder comes from; ``mutated`` names the buffers whose new values the
-    graph outputs first, ``out_spec`` is the structure of the user outputs that follow."""
-    nodes = list(graph_module.graph.nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    output = next(n for n in nodes if n.op == "output")
-    output_leaves = tuple(output.args[0][len(mutated):])
-
+def _assign_stages(nodes, strategy: PipelinedExecution) -> tuple[dict[str, int], list[int], int]:
+    """``(stage index of each call_function node, IPU of each stage, IPU switches)``. Stages are
+    numbered in the order of their stage ids; the switches, in program order from IPU 0, give
+    PopTorch's count of pipeline stages."""
     assign = _StageAssigner(strategy)
-    stage_id, ipu_of_stage = {}, {}
+    stage_id, ipu_of_stage = {}, {0: 0} if not any(n.op == "call_function" for n in nodes) else {}
     switches, last_ipu = 0, 0
     for node in nodes:
         if node.op != "call_function":
@@ -181,10 +175,23 @@ def partition(graph_module: torch.fx.GraphModule, sources: Mapping[str, tuple], 
         if ipu != last_ipu:
             switches, last_ipu = switches + 1, ipu
         stage_id[node.name] = sid
-    order = {sid: index for index, sid in enumerate(sorted(ipu_of_stage or {0: 0}))}
-    ipu_of_stage = ipu_of_stage or {0: 0}
-    producer = {name: order[sid] for name, sid in stage_id.items()}
-    num_stages = len(order)
+    order = {sid: index for index, sid in enumerate(sorted(ipu_of_stage))}
+    return ({name: order[sid] for name, sid in stage_id.items()},
+            [ipu_of_stage[sid] for sid in sorted(ipu_of_stage)], switches)
+
+
+def partition(graph_module: torch.fx.GraphModule, sources: Mapping[str, tuple], mutated: tuple[str, ...],
+              out_spec: torch_pytree.TreeSpec, strategy: PipelinedExecution) -> Partition:
+    """Split ``graph_module`` (core ATen, its nodes tagged with blocks) into stages. ``sources``
+    says where each placeholder comes from; ``mutated`` names the buffers whose new values the
+    graph outputs first, ``out_spec`` is the structure of the user outputs that follow."""
+    nodes = list(graph_module.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    output = next(n for n in nodes if n.op == "output")
+    output_leaves = tuple(output.args[0][len(mutated):])
+
+    producer, ipu_of_stage, switches = _assign_stages(nodes, strategy)
+    num_stages = len(ipu_of_stage)
     last = num_stages - 1
 
     def user_stages(node) -> list[int]:
@@ -244,12 +251,12 @@ def partition(graph_module: torch.fx.GraphModule, sources: Mapping[str, tuple], 
 
     array_outputs = [leaf for leaf in output_leaves if isinstance(leaf, torch.fx.Node)]
     stages = []
-    for sid, index in order.items():
+    for index, ipu in enumerate(ipu_of_stage):
         stage_nodes = tuple(n for n in nodes if n.op == "call_function" and producer[n.name] == index)
         outputs = tuple(i for i, leaf in enumerate(array_outputs)
                         if producer.get(leaf.name, last) == index)
         stages.append(StagePlan(
-            index=index, ipu=ipu_of_stage[sid], nodes=stage_nodes,
+            index=index, ipu=ipu, nodes=stage_nodes,
             params=tuple(owned[index]["params"]), buffers=tuple(owned[index]["buffers"]),
             mutated=tuple(owned[index]["mutated"]), inputs=tuple(sorted(owned[index]["inputs"])),
             received=tuple(received[index]), sent=tuple(sent[index]), outputs=outputs))
