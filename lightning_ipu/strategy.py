@@ -427,7 +427,7 @@ class IPUStrategy(ParallelStrategy):
         if executor is None and method == "training_step" and not self.lightning_module.automatic_optimization:
             executor = self._executors[method] = ManualStepExecutor(
                 self.lightning_module, self._training_opts, self.optimizers, method,
-                functools.partial(self._manual_calls_recorded))
+                self._manual_calls_recorded)
         if executor is None:
             training = method == "training_step"
             executor = PoplarExecutor(
