@@ -273,7 +273,8 @@ class IPUStrategy(ParallelStrategy):
             options = ipu_backend.Options(
                 device_iterations=self.device_iterations, replication_factor=replicas,
                 gradient_accumulation=accumulation,
-                auto_loss_scaling=training and isinstance(precision, IPUPrecision) and precision.loss_scaling)
+                auto_loss_scaling=(training and isinstance(precision, IPUPrecision) and precision.loss_scaling
+                                   and self.lightning_module.automatic_optimization))
         if options.random_seed is None:
             with torch.random.fork_rng(devices=[]):       # Options.randomSeed also seeds torch
                 options.randomSeed(_default_seed())
