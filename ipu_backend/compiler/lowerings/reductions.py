@@ -4,6 +4,7 @@ Half-precision inputs are accumulated in float32 and rounded once at the end, as
 kernels do (a float16 sum of 4000 ones is 4000, not 2048).
 """
 
+import functools
 import math
 
 import jax
@@ -67,15 +68,45 @@ def prod(ctx, x, dim=None, keepdim=False, *, dtype=None):
     return jnp.prod(_accumulate_as(x, out), axis=_axes(dim, x.ndim), keepdims=keepdim).astype(out)
 
 
+def _split_among_ties(choose):
+    """An amax/amin whose gradient torch's way: ``grad * (x == result) / count``, the product
+    taken before the division so that a NaN result (no element equal, count 0) gives NaN
+    gradients for the whole slice even where XLA turns the product into a select."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+    def reduce(x, axes, keepdim):
+        return choose(x, axis=axes, keepdims=keepdim)
+
+    def forward(x, axes, keepdim):
+        result = choose(x, axis=axes, keepdims=True)
+        return (result if keepdim else jnp.squeeze(result, axes)), (x, result)
+
+    def backward(axes, keepdim, residuals, grad):
+        x, result = residuals
+        grad = grad if keepdim else jnp.expand_dims(grad, axes)
+        chosen = (x == result).astype(grad.dtype)
+        return (grad * chosen / jnp.sum(chosen, axis=axes, keepdims=True),)
+
+    reduce.defvjp(forward, backward)
+    return reduce
+
+
+_amax = _split_among_ties(jnp.max)
+_amin = _split_among_ties(jnp.min)
+
+
 @lowering(aten.amax.default)
 def amax(ctx, x, dim=(), keepdim=False):
-    """JAX's gradient of max already splits evenly among ties, as torch's amax backward does."""
-    return jnp.max(x, axis=_axes(dim, x.ndim), keepdims=keepdim)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.max(x, axis=_axes(dim, x.ndim), keepdims=keepdim)
+    return _amax(x, _axes(dim, x.ndim), keepdim)
 
 
 @lowering(aten.amin.default)
 def amin(ctx, x, dim=(), keepdim=False):
-    return jnp.min(x, axis=_axes(dim, x.ndim), keepdims=keepdim)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.min(x, axis=_axes(dim, x.ndim), keepdims=keepdim)
+    return _amin(x, _axes(dim, x.ndim), keepdim)
 
 
 def _evenly_distributed(choose):
