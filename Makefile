@@ -24,3 +24,5 @@ test: setup
 bench: setup
 	$(PY) bench/compiler_throughput.py
 	$(PY) bench/device_iterations.py
+	$(PY) bench/pipeline_overhead.py
+	$(PY) bench/lightning_trainer.py

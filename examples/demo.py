@@ -1,5 +1,6 @@
-"""Demo: the seed CNN trained on emulated IPUs — 4 replicas, gradient accumulation and device
-iterations — on scikit-learn's handwritten digits, written as a PopTorch program.
+"""Demo: the seed CNN trained on 4 emulated IPUs — a 2-stage pipeline (convolutions on one IPU,
+the classifier on the next) replicated twice, with gradient accumulation and device iterations —
+on scikit-learn's handwritten digits, written as a PopTorch program.
 
 Prints the loss per epoch, throughput and test accuracy.
 """
@@ -20,14 +21,17 @@ def main():
     torch.manual_seed(0)
     (train_x, train_y), (test_x, test_y) = digits_tensors()
     model = SeedCNNWithLoss()
+    poptorch.BeginBlock(model.conv1, "convolutions", ipu_id=0)
+    poptorch.BeginBlock(model.fc1, "classifier", ipu_id=1)
 
-    opts = poptorch.Options().deviceIterations(4).replicationFactor(4).randomSeed(0)
-    opts.Training.gradientAccumulation(2)
+    opts = poptorch.Options().deviceIterations(2).replicationFactor(2).randomSeed(0)
+    opts.Training.gradientAccumulation(4)
     loader = poptorch.DataLoader(opts, torch.utils.data.TensorDataset(train_x, train_y),
                                  batch_size=MICRO_BATCH, shuffle=True)
     optimizer = poptorch.optim.AdamW(model.parameters(), lr=2e-3)
     training = poptorch.trainingModel(model, opts, optimizer)
-    print(f"{opts.replication_factor} replicas × {opts.Training.gradient_accumulation} accumulated "
+    print(f"2 pipeline stages × {opts.replication_factor} replicas = 4 IPUs; "
+          f"{opts.Training.gradient_accumulation} accumulated "
           f"micro-batches of {MICRO_BATCH} × {opts.device_iterations} device iterations = "
           f"{loader.combinedBatchSize} images per call")
 
@@ -43,6 +47,7 @@ def main():
               f"{len(loader) * loader.combinedBatchSize / seconds:,.0f} img/s")
 
     training.detachFromDevice()
+    poptorch.removeBlocks(model)
     inference = poptorch.inferenceModel(model)
     accuracy = (inference(test_x).argmax(-1) == test_y).float().mean()
     print(f"test accuracy {accuracy:.1%} on {len(test_y)} held-out digits")
