@@ -174,7 +174,12 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
         return grads, aux
 
     def replica_step(params, buffers, inputs, keys, loss_scale):
-        """All local replicas on one micro-batch each: vmapped, from the same weights."""
+        """All local replicas on one micro-batch each, from the same weights: vmapped, or a plain
+        call when a device holds one replica (XLA:CPU keeps its fast convolution layouts then)."""
+        if local == 1:
+            first = jax.tree.map(lambda x: x[0], (inputs, keys))
+            result = micro_step(params, buffers, first[0], first[1], loss_scale)
+            return jax.tree.map(lambda y: y[None], result)
         return jax.vmap(micro_step, in_axes=(None, None, 0, 0, None))(params, buffers, inputs, keys, loss_scale)
 
     def iteration(carry, xs):
