@@ -183,11 +183,9 @@ class PoplarExecutor:
             self.attachToDevice()
         call_args = self._call_arguments(compiled, args)
         self._ensure_executable(compiled, call_args)
+        state, arrays, logs = compiled.executable(*call_args)
         if self._training:
-            state, arrays, logs = compiled.executable(*call_args)
             self._opt_state, self._scaler = state["opt"], state["scaler"]
-        else:
-            state, arrays, logs = compiled.executable(*call_args)
         self._store.update(state["params"], state["buffers"])
         self.last_program = compiled.program
         self.last_logs = {name: output_to_host(value, compiled.log_dtypes[name]) for name, value in logs.items()}
