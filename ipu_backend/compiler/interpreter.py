@@ -4,6 +4,7 @@ This runs only while JAX traces the program, so its cost is paid once per compil
 """
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import jax
@@ -18,16 +19,24 @@ from ipu_backend.errors import Error
 
 @dataclass
 class LoweringContext:
-    """What a lowering may need besides its arguments."""
+    """What a lowering may need besides its arguments. ``computed(node)`` looks up the value of
+    an earlier node (None when not held)."""
 
     node: torch.fx.Node
     base_key: jax.Array
     path: tuple = field(default=())
+    computed: Callable[[torch.fx.Node], object] | None = None
 
     @property
     def out(self):
         """The node's output as torch's fake tensor(s): shape and dtype that torch produces."""
         return self.node.meta.get("val")
+
+    def value_of(self, node: torch.fx.Node):
+        """The value already computed for an earlier ``node`` of the graph, or None where the
+        caller does not hold it (another pipeline stage's). Lets a lowering start from a value
+        before the views that lead to its argument (a matrix before its ``expand``)."""
+        return None if self.computed is None else self.computed(node)
 
     def key(self) -> jax.Array:
         """A random key owned by this node: deterministic per seed, distinct per node."""
@@ -73,7 +82,7 @@ def run_graph(graph_module: torch.fx.GraphModule, inputs, base_key, path=()):
             if node.target is operator.getitem:
                 env[node] = args[0][args[1]]
             else:
-                ctx = LoweringContext(node, base_key, path + (index,))
+                ctx = LoweringContext(node, base_key, path + (index,), env.get)
                 env[node] = _lower(ctx, args, kwargs)
         elif node.op == "output":
             return torch.fx.node.map_arg(node.args[0], env.__getitem__)
@@ -97,7 +106,8 @@ def _match_torch(result, meta, ctx):
         want = jax_dtype(meta.dtype)
         if getattr(result, "dtype", None) != want:
             result = jnp.asarray(result, dtype=want)
-        if tuple(result.shape) != tuple(meta.shape):
+        static = all(isinstance(size, int) for size in meta.shape)    # else data-dependent (bincount)
+        if static and tuple(result.shape) != tuple(meta.shape):
             raise Error(f"lowering of {ctx.node.target} gave shape {tuple(result.shape)} where torch "
                         f"gives {tuple(meta.shape)} (at {ctx.location()})")
         return result

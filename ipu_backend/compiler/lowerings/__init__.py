@@ -4,6 +4,7 @@ from ipu_backend.compiler.lowerings import (  # noqa: F401
     comparison,
     control_flow,
     convolution,
+    counting,
     creation,
     elementwise,
     linalg,
