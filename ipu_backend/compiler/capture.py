@@ -7,8 +7,11 @@ from typing import Any
 
 import torch
 import torch.fx.traceback
+from torch._export import utils as _export_utils
+from torch.export import exported_program as _exported_program
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from ipu_backend.compiler import metric_states
 from ipu_backend.compiler.sources import traceback_location
 from ipu_backend.errors import Error
 
@@ -16,21 +19,26 @@ from ipu_backend.errors import Error
 @dataclass(frozen=True)
 class LogCall:
     """One ``self.log`` made by a step: its name, keyword arguments and, for a Python number,
-    its constant value (tensor values become outputs of the program)."""
+    its constant value, for a torchmetrics object its path in the module (tensor values become
+    outputs of the program). A torchmetrics state the step updated is logged as a tensor with
+    its ``state`` (see ``metric_states``)."""
 
     name: str
     kwargs: dict = field(default_factory=dict)
     constant: Any = None
+    metric: str | None = None
+    state: metric_states.MetricState | None = None
 
     @property
     def is_tensor(self) -> bool:
-        return self.constant is None
+        return self.constant is None and self.metric is None
 
 
 class _LogRecorder:
     """Stands in for ``LightningModule.log``/``log_dict`` while a step is traced."""
 
-    def __init__(self):
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
         self.calls: list[LogCall] = []
         self.tensors: list[torch.Tensor] = []
 
@@ -45,10 +53,16 @@ class _LogRecorder:
             self.tensors.append(value)
         elif isinstance(value, (int, float, bool)):
             self.calls.append(LogCall(name, kwargs, constant=value))
+        elif metric_states.is_metric(value):
+            paths = [path for path, m in metric_states.metrics_of(self.module).items() if m is value]
+            if not paths:
+                raise Error(f"self.log({name!r}, <{type(value).__name__}>): the metric must be an "
+                            "attribute of the LightningModule (self.<name> = ...) for its state to be "
+                            "carried by the compiled step")
+            self.calls.append(LogCall(name, kwargs, metric=paths[0]))
         else:
             raise Error(f"self.log({name!r}, ...) got a {type(value).__name__}; inside a compiled "
-                        "step log a tensor or a number (for a torchmetrics object, log the tensor "
-                        "its update or forward returns)")
+                        "step log a tensor, a number or a torchmetrics object held by the module")
 
     def log_dict(self, dictionary, **kwargs):
         for name, value in dictionary.items():
@@ -79,13 +93,15 @@ class StepCall(torch.nn.Module):
         super().__init__()
         self.module = module
         self.method = method
-        self.recorder = _LogRecorder()
+        self.recorder = _LogRecorder(module)
 
     def forward(self, *args):
         self.recorder.reset()
-        with _recording_logs(self.module, self.recorder):
+        with _recording_logs(self.module, self.recorder), metric_states.lifted(self.module) as metrics:
             result = getattr(self.module, self.method)(*args)
-        return result, list(self.recorder.tensors)
+            specs, values = metric_states.updated_states(metrics)
+        self.recorder.calls.extend(LogCall(spec.key, state=spec) for spec in specs)
+        return result, list(self.recorder.tensors) + values
 
 
 def export(module: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram:
@@ -101,13 +117,45 @@ def export(module: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram
             "traced once, so Python control flow cannot depend on tensor data. Use torch.where "
             "for element-wise choices, or torch.cond(pred, true_fn, false_fn, operands) to "
             "branch (it lowers to lax.cond).") from error
-    return exported.run_decompositions(decomp_table=_core_aten_decompositions())
+    return decompose_to_core_aten(exported)
+
+
+def decompose_to_core_aten(exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """``exported.run_decompositions()`` with our table, at a quarter of its cost.
+
+    torch re-collects and re-patches all ~500 CompositeImplicitAutograd (CIA) ops on every call
+    (~0.35 s, most of an export). Patching a CIA op with its own default decomposition only
+    matters when the graph still calls it, so we patch just those and the ops whose table entry is
+    a different decomposition; the rest decompose through their CIA kernel exactly as before.
+    This reaches into ``torch.export.exported_program``'s private helpers, so it is pinned to the
+    torch minor versions checked by ``tests/compiler/test_capture_decompositions.py``.
+    """
+    cia_table, python_table = _split_core_aten_decompositions()
+    called = _called_ops(exported.graph_module)
+    cia_to_decomp = {op: fn for op, fn in cia_table.items()
+                     if op in called or not _is_default_cia_decomposition(fn)}
+    return _exported_program._decompose_exported_program(
+        exported, cia_to_decomp=cia_to_decomp, python_decomp_table=dict(python_table),
+        joint_loss_index=None, decompose_custom_triton_ops=False)
+
+
+def _called_ops(graph_module: torch.fx.GraphModule) -> set:
+    """Every op the graph and its nested graphs (``torch.cond`` branches) call."""
+    return {node.target for module in graph_module.modules() if isinstance(module, torch.fx.GraphModule)
+            for node in module.graph.nodes if node.op == "call_function"}
+
+
+def _is_default_cia_decomposition(fn) -> bool:
+    return getattr(fn, "func", None) is _DEFAULT_CIA_DECOMPOSITION
+
+
+_DEFAULT_CIA_DECOMPOSITION = _export_utils._get_decomp_for_cia(torch.ops.aten.linear.default).func
 
 
 @functools.cache
-def _core_aten_decompositions() -> dict:
-    """torch's default core-ATen table, materialized once (it costs ~0.2 s per export otherwise).
+def _split_core_aten_decompositions() -> tuple[dict, dict]:
+    """torch's default core-ATen table split into CIA overrides and Python decompositions, once.
     ``detach`` is kept: decomposed, it becomes a plain ``alias`` and gradients would flow through."""
     table = dict(torch.export.default_decompositions().items())
     table.pop(torch.ops.aten.detach.default, None)
-    return table
+    return _exported_program._split_decomp_table_to_cia_and_python_decomp(table)

@@ -1,0 +1,46 @@
+"""Our cheaper decomposition pass gives exactly the graph torch's public ``run_decompositions`` gives."""
+
+import pytest
+import torch
+from torch import nn
+
+from ipu_backend.compiler import capture
+
+
+class _Branching(nn.Module):
+    """A ``torch.cond`` whose branches call ops that decompose (the nested graphs are patched too)."""
+
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda t: nn.functional.gelu(t).detach() * t,
+                          lambda t: nn.functional.silu(t), (x,))
+
+
+MODELS = {
+    "encoder_layer": (lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True),
+                      lambda: (torch.randn(2, 3, 8),)),
+    "lstm": (lambda: nn.LSTM(4, 3, num_layers=2, bidirectional=True), lambda: (torch.randn(3, 2, 4),)),
+    "cnn_upsample": (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Upsample(scale_factor=2),
+                                           nn.Upsample(scale_factor=2, mode="bilinear"), nn.Mish(),
+                                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2, 3),
+                                           nn.LogSoftmax(-1)),
+                     lambda: (torch.randn(2, 1, 6, 6),)),
+    "cond_with_detach": (_Branching, lambda: (torch.randn(3),)),
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_decomposed_graph_equals_torchs_run_decompositions(name):
+    make_model, make_args = MODELS[name]
+    model, args = make_model(), make_args()
+    table = dict(torch.export.default_decompositions().items())
+    table.pop(torch.ops.aten.detach.default)
+    expected = torch.export.export(model, args, strict=False).run_decompositions(decomp_table=table)
+    actual = capture.decompose_to_core_aten(torch.export.export(model, args, strict=False))
+    assert _graphs(actual) == _graphs(expected)
+    assert actual.graph_signature == expected.graph_signature
+
+
+def _graphs(exported):
+    """The graph and its nested graphs, as text without source comments."""
+    return [str(module.graph) for module in exported.graph_module.modules()
+            if isinstance(module, torch.fx.GraphModule)]
