@@ -25,6 +25,14 @@ and over the micro-batches the output mode returns (the last one by default in t
 logged training value is the last optimizer step's; with ``output_mode="all"`` the mean over the
 call's device iterations).
 
+torchmetrics ``Metric`` objects held by the module may be called (``self.acc(preds, y)``) or
+updated in a step and logged (``self.log("acc", self.acc)``): their states are outputs of the
+compiled step, reduced with their ``dist_reduce_fx`` over replicas and micro-batches and merged
+into the metric on the host after each call (``_metrics.py``), so ``on_step``/``on_epoch``
+values, ``compute()`` and ``reset()`` behave as on the CPU. Metrics with list states
+(``dist_reduce_fx="cat"``), a ``"mean"`` reduction or ``full_state_update=True`` are refused with
+a message; argument checks (``validate_args``) are skipped inside the step.
+
 Manual optimization (``automatic_optimization = False``, any number of optimizers) is compiled
 whole by ``ipu_backend.runtime.manual``: the step's ``manual_backward``, ``zero_grad``,
 ``clip_gradients`` and ``optimizer.step()`` calls become one program, every ``optimizer.step()``
@@ -33,8 +41,7 @@ after each training step.
 
 Limits of a traced step: Python values (``self.current_epoch``, a branch on ``batch_idx``) are
 fixed when the step is captured, so ``batch_idx`` reaches a step that reads it as a one-element
-tensor; torchmetrics ``Metric`` objects cannot be called inside a step (their state lives in
-Python), the functional forms can; batches stay on the host (``on_before_batch_transfer``
+tensor; batches stay on the host (``on_before_batch_transfer``
 works, ``transfer_batch_to_device`` and ``on_after_batch_transfer`` overrides are refused); and
 callbacks reading ``.grad`` see none, since gradients live on the IPUs.
 
@@ -64,10 +71,11 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import ipu_backend
+from ipu_backend import profiling
 from ipu_backend.runtime.clipping import GradientClipping
 from ipu_backend.runtime.executor import PoplarExecutor
 from ipu_backend.runtime.manual import ManualStepExecutor, SchedulerStep, Step
-from lightning_ipu import _data, _outputs
+from lightning_ipu import _data, _metrics, _outputs
 
 from . import _lightning_hooks
 from .precision import IPUPrecision
@@ -91,34 +99,6 @@ def _default_seed() -> int:
     return int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed())) % 2**31
 
 
-def _metric_objects(module: torch.nn.Module) -> dict:
-    from torchmetrics import Metric
-
-    return {name: m for name, m in module.named_modules() if isinstance(m, Metric)}
-
-
-@contextlib.contextmanager
-def _metric_objects_refused(metrics: dict):
-    """While a step is captured: a torchmetrics ``Metric`` object called in it is a clear error."""
-
-    def refuse(name):
-        def hook(metric, args):
-            raise ipu_backend.Error(
-                f"the step calls the torchmetrics object self.{name} ({type(metric).__name__}); its "
-                "state lives in Python attributes that a compiled step cannot carry between batches. "
-                "Use the functional form (torchmetrics.functional...) and self.log the tensor it "
-                "returns: Lightning averages it over the epoch, weighted by batch size. The object "
-                "may still be used on the host, e.g. in on_validation_epoch_end")
-        return hook
-
-    handles = [metric.register_forward_pre_hook(refuse(name)) for name, metric in metrics.items()]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 def _check_replicas(replicas: int, auto_round: bool, where: str) -> None:
     if replicas & (replicas - 1) and not auto_round:
         raise MisconfigurationException(
@@ -133,8 +113,9 @@ class IPUStrategy(ParallelStrategy):
     Args:
         accelerator: the IPU accelerator (set by the Trainer from ``accelerator="ipu"``).
         device_iterations: optimizer steps (or inference batches) per host call.
-        autoreport: write profiling reports (``Options.enableProfiling``) to ``autoreport_dir``
-            (default ``./autoreport``).
+        autoreport: write compile and execution reports (``Options.enableProfiling``) into
+            ``<autoreport_dir>/<stage>/`` for each stage's model: ``training``, ``validation``,
+            ``test``, ``predict`` (``autoreport_dir`` defaults to ``./ipu_reports``; see docs/reports.md).
         training_opts: ``ipu_backend.Options`` for training, or a mapping of its keyword
             arguments; overrides the defaults taken from the Trainer.
         inference_opts: the same for validation, test and predict.
@@ -171,7 +152,6 @@ class IPUStrategy(ParallelStrategy):
         self._executors: dict[str, PoplarExecutor] = {}
         self._reads_batch_idx: dict[str, bool] = {}
         self._gradient_clipping: GradientClipping | None = None
-        self._metrics: dict = {}
         self._trainer = None
         self._accumulate_grad_batches: int | None = None
 
@@ -279,7 +259,7 @@ class IPUStrategy(ParallelStrategy):
             with torch.random.fork_rng(devices=[]):       # Options.randomSeed also seeds torch
                 options.randomSeed(_default_seed())
         if self.autoreport and options.profiling_dir is None:
-            options.enableProfiling(self.autoreport_dir or os.path.join(os.getcwd(), "autoreport"))
+            options.enableProfiling(self.autoreport_dir or os.path.join(os.getcwd(), profiling.DEFAULT_DIR))
         _check_replicas(options.replication_factor, options.auto_round_num_ipus,
                         f"IPUStrategy {'training' if training else 'inference'} options")
         return options
@@ -315,7 +295,6 @@ class IPUStrategy(ParallelStrategy):
         self._inference_opts = self._resolve_options(self._user_inference_opts, trainer, training=False)
         self.parallel_devices = [self.root_device] * self.replicas
         self._executors = {}
-        self._metrics = _metric_objects(module)
         super().setup(trainer)
         if fitting:
             self._check_training(trainer)
@@ -414,13 +393,14 @@ class IPUStrategy(ParallelStrategy):
         executor = self._executor(method)
         factor = _data.micro_batches_per_call(executor.options)
         args = self._with_batch_index(method, args, factor)
-        with _metric_objects_refused(self._metrics):
-            try:
-                result = executor(*args)
-            except StopIteration as error:   # would silently end Lightning's loop
-                raise RuntimeError(f"the compiled {method} raised StopIteration") from error
+        try:
+            result = executor(*args)
+        except StopIteration as error:   # would silently end Lightning's loop
+            raise RuntimeError(f"the compiled {method} raised StopIteration") from error
         program = executor.last_program
-        self._log(program, executor.last_logs)
+        metrics = _metrics.update(self.lightning_module, program, executor.last_logs,
+                                  executor.options.device_iterations)
+        self._log(program, executor.last_logs, metrics)
         return _outputs.combine_outputs(result, program, _micro_batch_size(args[0], factor))
 
     def _executor(self, method: str) -> PoplarExecutor:
@@ -510,11 +490,16 @@ class IPUStrategy(ParallelStrategy):
         batch_idx = torch.full((factor,), args[1], dtype=torch.int64) if reads else 0
         return (args[0], batch_idx, *args[2:])
 
-    def _log(self, program, logged: dict) -> None:
-        """Hand each ``self.log`` of the compiled step to Lightning, with its concrete value."""
+    def _log(self, program, logged: dict, metrics: dict) -> None:
+        """Hand each ``self.log`` of the compiled step to Lightning, with its concrete value (a
+        torchmetrics object as itself, its state brought up to date by ``_metrics.update``)."""
         module = self.lightning_module
         for call in program.logs:
-            if call.is_tensor:
+            if call.state is not None:
+                continue
+            if call.metric is not None:
+                value = metrics[call.metric]
+            elif call.is_tensor:
                 value = _outputs.reduce_logged(call.name, logged[call.name], call.kwargs.get("reduce_fx", "mean"))
             else:
                 value = call.constant

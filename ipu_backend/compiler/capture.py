@@ -146,10 +146,11 @@ def _called_ops(graph_module: torch.fx.GraphModule) -> set:
 
 
 def _is_default_cia_decomposition(fn) -> bool:
-    return getattr(fn, "func", None) is _DEFAULT_CIA_DECOMPOSITION
+    """torch makes a fresh closure per op, so compare the code they share."""
+    return getattr(getattr(fn, "func", None), "__code__", None) is _DEFAULT_CIA_DECOMPOSITION_CODE
 
 
-_DEFAULT_CIA_DECOMPOSITION = _export_utils._get_decomp_for_cia(torch.ops.aten.linear.default).func
+_DEFAULT_CIA_DECOMPOSITION_CODE = _export_utils._get_decomp_for_cia(torch.ops.aten.linear.default).func.__code__
 
 
 @functools.cache

@@ -15,8 +15,10 @@ from jax.sharding import PartitionSpec as P
 
 from ipu_backend.compiler import compile_module
 from ipu_backend.compiler.custom_ops import IDENTITY_LOSS
+from ipu_backend.compiler.metric_states import TOTAL_SUFFIX
 from ipu_backend.enums import OutputMode, ReductionType
 from ipu_backend.errors import Error
+from ipu_backend.profiling import recorder_for
 from ipu_backend.runtime import compilation_cache
 from ipu_backend.runtime.devices import replica_mesh
 from ipu_backend.runtime.optimizers import optimizer_rule
@@ -160,6 +162,7 @@ class PoplarExecutor:
         if training:
             self._store.on_host_sync.append(self._optimizer_state_to_host)
         compilation_cache.configure(self._options.executable_cache_dir)
+        self._profiler = recorder_for(self._options, training, step_method)
 
     # --- PopTorch's public surface -------------------------------------------------------
     @property
@@ -178,23 +181,28 @@ class PoplarExecutor:
 
     def __call__(self, *args, **kwargs):
         args = self._bind(args, kwargs)
+        self._profiler.started()
         compiled = self._compile(args)
         if not self._attached:
             self.attachToDevice()
         call_args = self._call_arguments(compiled, args)
         self._ensure_executable(compiled, call_args)
+        self._profiler.inputs_on_device(call_args)
         state, arrays, logs = compiled.executable(*call_args)
+        self._profiler.computed(state, arrays, logs)
         if self._training:
             self._opt_state, self._scaler = state["opt"], state["scaler"]
         self._store.update(state["params"], state["buffers"])
         self.last_program = compiled.program
         self.last_logs = {name: output_to_host(value, compiled.log_dtypes[name]) for name, value in logs.items()}
         outputs = [output_to_host(a, d) for a, d in zip(arrays, compiled.output_dtypes)]
+        self._profiler.finished(self, compiled, call_args)
         return compiled.layout.join(outputs)
 
     def compile(self, *args, **kwargs) -> None:
         """Compile for these inputs without running (PopTorch's ``compile``)."""
         args = self._bind(args, kwargs)
+        self._profiler.started()
         compiled = self._compile(args)
         self._ensure_executable(compiled, self._call_arguments(compiled, args, advance=False))
 
@@ -244,6 +252,7 @@ class PoplarExecutor:
     def destroy(self) -> None:
         """Release the device: weights reach the host and the module gets its own class back."""
         release(self._user_model)
+        self._profiler.close()
         self._compiled.clear()
         self._destroyed = True
 
@@ -337,6 +346,7 @@ class PoplarExecutor:
         if compiled.executable is not None:
             return
         compiled.executable = compiled.call.lower(*call_args).compile()
+        self._profiler.compiled(self, compiled, call_args)
         logger.info("compiled the %s program in %.2f s", "training" if self._training else "inference",
                     time.perf_counter() - compiled.started)
 
@@ -357,6 +367,8 @@ class PoplarExecutor:
         dtypes = [n.meta["val"].dtype for n in results]
         log_names = [call.name for call in program.logs if call.is_tensor]
         log_dtypes = {name: n.meta["val"].dtype for name, n in zip(log_names, nodes[len(results):])}
+        totals = {call.name: call.state.reduction for call in program.logs if call.state is not None}
+        log_dtypes.update({name + TOTAL_SUFFIX: log_dtypes[name] for name in totals})
         if has_blocks(program.graph_module):        # split over IPUs: runtime/pipeline.py
             if self._gradient_clipping is not None:
                 raise Error("gradient clipping is not supported with a model split over IPUs "
@@ -371,9 +383,10 @@ class PoplarExecutor:
             if self._gradient_clipping is not None:
                 rule = self._gradient_clipping.wrap(rule)
             loss_index = find_loss(program, step_method=self._step_method is not None)
-            call = training_call(forward, loss_index, rule, schedule, mesh, layout)
+            call = training_call(forward, loss_index, rule, schedule, mesh, layout, totals)
             return _Compiled(call, program, layout, dtypes, log_dtypes, rule)
-        return _Compiled(inference_call(forward, schedule, mesh, layout), program, layout, dtypes, log_dtypes)
+        return _Compiled(inference_call(forward, schedule, mesh, layout, totals), program, layout, dtypes,
+                         log_dtypes)
 
     def _optimizer_state(self, rule, params):
         if self._opt_state is None:

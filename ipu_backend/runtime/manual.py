@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ipu_backend.compiler import compile_module
+from ipu_backend.compiler.metric_states import TOTAL_SUFFIX
 from ipu_backend.enums import OutputMode
 from ipu_backend.errors import Error
 from ipu_backend.runtime import compilation_cache
@@ -55,6 +56,7 @@ from ipu_backend.runtime.step import (
     _loop,
     _replica_keys,
     _select_outputs,
+    _totals,
 )
 from ipu_backend.runtime.weights import release, weight_store
 
@@ -303,8 +305,10 @@ class ManualStepExecutor:
         log_names = [call.name for call in program.logs if call.is_tensor]
         log_nodes = nodes[len(nodes) - len(log_names):] if log_names else []
         log_dtypes = {name: n.meta["val"].dtype for name, n in zip(log_names, log_nodes)}
+        totals = {call.name: call.state.reduction for call in program.logs if call.state is not None}
+        log_dtypes.update({name + TOTAL_SUFFIX: log_dtypes[name] for name in totals})
         call = _manual_call(program, micro, tuple(events.events), events.groups, rules, schedule,
-                            replica_mesh(schedule.replicas), layout)
+                            replica_mesh(schedule.replicas), layout, totals)
         return _Compiled(call, program, layout, [n.meta["val"].dtype for n in results], log_dtypes,
                          tuple(events.events), rules)
 
@@ -328,8 +332,9 @@ def _used_inputs(fn, args) -> list[bool]:
 
 
 def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tuple, schedule: Schedule,
-                 mesh, layout: OutputLayout):
-    """``call(state, inputs, hypers, key) -> (state, outputs, logs)``, jitted over the mesh."""
+                 mesh, layout: OutputLayout, totals: dict):
+    """``call(state, inputs, hypers, key) -> (state, outputs, logs)``, jitted over the mesh; the
+    logged metric states in ``totals`` also come reduced over every micro-batch."""
     leaves, spec = torch_pytree.tree_flatten(micro)
     is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
     local = schedule.replicas // mesh.size
@@ -413,7 +418,9 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
         keys = jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(schedule.device_iterations))
         carry = (state["params"], state["buffers"], state["opt"], hypers)
         (params, buffers, opt_states, _), ys = _loop(iteration, carry, (inputs, keys), schedule.device_iterations)
-        arrays, logs = jax.tree.map(lambda y: jnp.moveaxis(y, 2, 0), _select_outputs(ys, schedule))
+        reduced = _totals(ys[1], totals)
+        arrays, logs = _select_outputs(ys, schedule)
+        arrays, logs = jax.tree.map(lambda y: jnp.moveaxis(y, 2, 0), (arrays, {**logs, **reduced}))
         return {"params": params, "buffers": buffers, "opt": opt_states}, arrays, logs
 
     sharded = jax.shard_map(device_program, mesh=mesh, in_specs=(P(), P(None, None, REPLICA), P(), P()),

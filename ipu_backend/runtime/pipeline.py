@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from ipu_backend.blocks import RECOMPUTATION_CHECKPOINT_NAME, PipelinedExecution, ShardedExecution
 from ipu_backend.compiler import capture
 from ipu_backend.compiler.dtypes import jax_dtype
+from ipu_backend.compiler.metric_states import TOTAL_SUFFIX
 from ipu_backend.errors import Error
 from ipu_backend.runtime import memory
 from ipu_backend.runtime.stages import (
@@ -451,13 +452,14 @@ class MultiIpuProgram:
     """
 
     def __init__(self, part: Partition, stages: list[_Stage], settings: _Settings, layout, output_dtypes,
-                 rule, usage, tensor_leaves: list[int], log_names: tuple[str, ...]):
+                 rule, usage, tensor_leaves: list[int], log_names: tuple[str, ...], metric_states: dict):
         self.part, self.stages, self.settings = part, stages, settings
         self.layout, self.output_dtypes, self.rule = layout, output_dtypes, rule
         self.memory = usage
         """Per-IPU memory estimate (:class:`~ipu_backend.runtime.memory.IpuMemory`, one replica)."""
         self._tensor_leaves = tensor_leaves
         self._log_names = log_names
+        self._metric_states = metric_states
         self._owner = {}
         for stage in stages:
             self._owner.update((n, stage) for n in stage.plan.params + stage.plan.buffers)
@@ -477,7 +479,8 @@ class MultiIpuProgram:
         else:
             state, arrays = self._infer(state, inputs, *rest)
         results = len(arrays) - len(self._log_names)
-        return state, arrays[:results], dict(zip(self._log_names, arrays[results:]))
+        logs = dict(zip(self._log_names, arrays[results:]))
+        return state, arrays[:results], {**logs, **self._totals(logs)}
 
     # --- state ---------------------------------------------------------------------------------
     def _stage_of(self, name: str) -> "_Stage":
@@ -498,6 +501,12 @@ class MultiIpuProgram:
         return [{i: jax.device_put(arrays[i], stage.batch) for i in stage.input_avals} for stage in self.stages]
 
     # --- outputs -------------------------------------------------------------------------------
+    def _totals(self, logs: dict) -> dict:
+        """Logged metric states reduced over the call's micro-batches (``[R, D, A, ...]``, all of
+        them returned: see :func:`_check_metric_states`) to ``[R, 1, 1, ...]``."""
+        return {name + TOTAL_SUFFIX: _HOST_REDUCE[how](logs[name], axis=(1, 2), keepdims=True)
+                for name, how in self._metric_states.items()}
+
     def _wanted(self, d: int, m: int, micro_batches: int) -> bool:
         mode = self.settings.schedule.output_mode
         last_micro = m == micro_batches - 1
@@ -600,6 +609,9 @@ class MultiIpuProgram:
         return {"params": _merge(params), "buffers": _merge(buffers)}, self._gather_outputs(collected)
 
 
+_HOST_REDUCE = {"sum": np.sum, "max": np.max, "min": np.min}
+
+
 def multi_ipu_program(executor) -> MultiIpuProgram | None:
     """The multi-IPU program an executor last compiled (its placement and memory figures), or
     None for a single-IPU model or before the first compilation."""
@@ -649,6 +661,16 @@ def _check_stage_counts(part: Partition, schedule: Schedule, training: bool, pip
         raise Error(f"poptorch.Options().deviceIterations must be greater than or equal to the number "
                     f"of pipeline stages ({forward}) when using PopTorch.PipelinedExecution (it is "
                     f"{schedule.device_iterations}).")
+
+
+def _check_metric_states(program, schedule: Schedule) -> None:
+    """Metric states are reduced on the host from every micro-batch's outputs, so all must return."""
+    metrics = sorted({c.state.metric for c in program.logs if c.state is not None})
+    if metrics and schedule.output_mode != "all":
+        raise Error(f"the step updates torchmetrics objects ({', '.join(metrics)}) in a model split "
+                    "over IPUs, whose states are gathered from every micro-batch: use "
+                    "Options().outputMode(OutputMode.All), or update the metrics in a step that "
+                    "returns all outputs (validation/test), or use their functional forms")
 
 
 def _devices(num_ipus: int, replicas: int) -> list:
@@ -719,6 +741,7 @@ def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, opt
         return None
     pipelined = not isinstance(strategy, ShardedExecution)
     _check_supported(options, hyper, training)
+    _check_metric_states(program, schedule)
     _check_stage_counts(part, schedule, training, pipelined)
     check_ipu_count(part.num_ipus * schedule.replicas, options.auto_round_num_ipus)
     devices = _devices(part.num_ipus, schedule.replicas)
@@ -761,5 +784,6 @@ def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, opt
          for leaf in part.output_leaves[:result_spec.num_leaves]], result_spec))
     log_names = tuple(c.name for c in program.logs if c.is_tensor)
     dtypes = [node.meta["val"].dtype for node in part.array_outputs]
+    metric_states = {c.name: c.state.reduction for c in program.logs if c.state is not None}
     return MultiIpuProgram(part, stages, settings, layout, dtypes, rule, usage,
-                           sorted(input_avals), log_names)
+                           sorted(input_avals), log_names, metric_states)

@@ -16,6 +16,7 @@ import torch.utils._pytree as torch_pytree
 from jax.sharding import PartitionSpec as P
 
 from ipu_backend.compiler.lowering_options import lowering_options
+from ipu_backend.compiler.metric_states import TOTAL_SUFFIX
 from ipu_backend.runtime.rounding import stochastic_round
 
 REPLICA = "replica"
@@ -67,6 +68,16 @@ def _select_outputs(ys, schedule: Schedule):
         n = schedule.output_period
         return jax.tree.map(lambda y: y[n - 1::n, -1:], ys)
     return jax.tree.map(lambda y: y[-1:, -1:], ys)
+
+
+_REDUCE = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
+
+
+def _totals(logs: dict, totals: dict) -> dict:
+    """Logged metric states reduced over every micro-batch of the call, whatever the output mode
+    keeps: ``[D, A, r, ...]`` -> ``[1, 1, r, ...]`` (the host reduces over the replicas)."""
+    return {name + TOTAL_SUFFIX: _REDUCE[how](logs[name], axis=(0, 1), keepdims=True)
+            for name, how in totals.items()}
 
 
 _ARRAY = object()
@@ -152,14 +163,15 @@ def master_copy(params: dict) -> dict:
 
 
 def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, mesh,
-                  layout: OutputLayout) -> Callable:
+                  layout: OutputLayout, totals: dict | None = None) -> Callable:
     """``call(state, inputs, hyper, key) -> (state, outputs, logs)``, jitted over the mesh.
 
     ``forward(params, buffers, inputs, key) -> (outputs, new_buffers, logs)`` is one micro-batch
     of the model (a Program's ``logged_fn``); ``state`` is ``{"params", "buffers", "opt", "scaler"}`` (``scaler``: dynamic loss scaling,
     see :func:`initial_scaler`, or None); ``inputs`` the positional arguments, each array
     split by :func:`split_batch`; outputs are ``[r, D', A', ...]`` per device, gathered on the replica
-    axis, and selected by the output mode.
+    axis, and selected by the output mode. ``totals`` (logged name -> "sum" | "max" | "min") adds
+    those logs reduced over every micro-batch (see :func:`_totals`).
     """
     local = schedule.replicas // mesh.size
     scale_sum = 1 if not schedule.mean_reduction else schedule.accumulation * schedule.replicas
@@ -213,7 +225,9 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
                               schedule.accumulation > 1 else "xla"):
             (params, buffers, opt_state, scaler, _), (arrays, logs) = _loop(
                 iteration, carry, (inputs, keys), schedule.device_iterations)
+        reduced = _totals(logs, totals or {})
         arrays, logs = _select_outputs((arrays, logs), schedule)
+        logs = {**logs, **reduced}
         # [D', A', r, ...] -> [r, D', A', ...] so the replica axis is gathered first.
         arrays, logs = jax.tree.map(lambda y: jnp.moveaxis(y, 2, 0), (arrays, logs))
         return {"params": params, "buffers": buffers, "opt": opt_state, "scaler": scaler}, arrays, logs
@@ -226,8 +240,10 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
     return jax.jit(sharded, donate_argnums=(0,))
 
 
-def inference_call(forward: Callable, schedule: Schedule, mesh, layout: OutputLayout) -> Callable:
-    """``call(state, inputs, key) -> (state, outputs, logs)``: D iterations of the forward on R replicas."""
+def inference_call(forward: Callable, schedule: Schedule, mesh, layout: OutputLayout,
+                   totals: dict | None = None) -> Callable:
+    """``call(state, inputs, key) -> (state, outputs, logs)``: D iterations of the forward on R
+    replicas (``totals`` as for :func:`training_call`)."""
     local = schedule.replicas // mesh.size
 
     def device_program(state, inputs, key):
@@ -245,8 +261,10 @@ def inference_call(forward: Callable, schedule: Schedule, mesh, layout: OutputLa
 
         keys = jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(schedule.device_iterations))
         with lowering_options(conv_algorithm="im2col" if schedule.device_iterations > 1 else "xla"):
-            buffers, arrays = _loop(iteration, state["buffers"], (inputs, keys), schedule.device_iterations)
-        arrays, logs = jax.tree.map(lambda y: jnp.moveaxis(y, 2, 0), _select_outputs(arrays, schedule))
+            buffers, (arrays, logs) = _loop(iteration, state["buffers"], (inputs, keys), schedule.device_iterations)
+        reduced = _totals(logs, totals or {})
+        arrays, logs = _select_outputs((arrays, logs), schedule)
+        arrays, logs = jax.tree.map(lambda y: jnp.moveaxis(y, 2, 0), (arrays, {**logs, **reduced}))
         return {"params": params, "buffers": buffers}, arrays, logs
 
     sharded = jax.shard_map(

@@ -98,19 +98,3 @@ def test_a_training_step_without_a_loss_is_refused():
     with pytest.raises(ipu_backend.Error, match="training_step must return the loss"):
         fit(ReturnsNothing())
 
-
-class KeepsAMetricObject(Regressor):
-    def __init__(self):
-        super().__init__()
-        import torchmetrics
-        self.error = torchmetrics.MeanAbsoluteError()
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("mae", self.error(self.net(x), y))
-        return super().training_step(batch, batch_idx)
-
-
-def test_a_torchmetrics_object_called_in_a_step_is_refused_with_the_functional_alternative():
-    with pytest.raises(ipu_backend.Error, match=r"calls the torchmetrics object self.error.*torchmetrics.functional"):
-        fit(KeepsAMetricObject())
