@@ -1,0 +1,69 @@
+"""The compile report's figures for one compiled program: its schedule, per-IPU memory against
+the IPU's capacity, and per stage its FLOPs and operation counts."""
+
+import jax
+
+from ipu_backend.profiling.costs import aten_op_counts, hlo_op_counts, xla_costs
+from ipu_backend.profiling.memory_usage import single_ipu_usage
+from ipu_backend.runtime.memory import MK2
+from ipu_backend.runtime.pipeline import MultiIpuProgram
+
+FLOPS_NOTE = ("FLOPs and bytes are XLA's cost analysis of each compiled program; the body of a "
+              "loop (device iterations, micro-batches) is counted once, not once per trip.")
+
+
+def _program_costs(executable) -> dict:
+    counts = hlo_op_counts(executable)
+    return {**xla_costs(executable), "hlo_ops": sum(counts.values()), "hlo_op_counts": counts}
+
+
+def _stage(index: int, ipu: int, nodes, programs: dict) -> dict:
+    aten = aten_op_counts(nodes)
+    costs = {name: _program_costs(executable) for name, executable in programs.items()}
+    return {"stage": index, "ipu": ipu, "aten_ops": sum(aten.values()), "aten_op_counts": aten,
+            "flops": sum(c["flops"] for c in costs.values()), "programs": costs}
+
+
+def _schedule(executor, call) -> dict:
+    schedule = executor._schedule()
+    multi = isinstance(call, MultiIpuProgram)
+    return {"training": executor._training, "device_iterations": schedule.device_iterations,
+            "gradient_accumulation": schedule.accumulation, "replicas": schedule.replicas,
+            "stages": len(call.stages) if multi else 1,
+            "ipus_per_replica": call.part.num_ipus if multi else 1,
+            "execution": ("pipelined" if call.settings.pipelined else "sharded") if multi else "single IPU",
+            "pipelined": multi and call.settings.pipelined}
+
+
+def _ipu_spec(options):
+    strategy = options.execution_strategy
+    return strategy.ipu_spec if strategy is not None and hasattr(strategy, "ipu_spec") else MK2
+
+
+def describe(executor, compiled, call_args: tuple, compile_seconds: float | None) -> dict:
+    """The figures of ``compiled`` (an executor's program), first called with ``call_args``."""
+    call, spec = compiled.call, _ipu_spec(executor.options)
+    inputs = call_args[1]
+    if isinstance(call, MultiIpuProgram):
+        stages = [_stage(s.plan.index, s.plan.ipu, s.plan.nodes, s.programs) for s in call.stages]
+        usage = call.memory
+    else:
+        nodes = compiled.program.graph_module.graph.nodes
+        stages = [_stage(0, 0, nodes, {"step": compiled.executable})]
+        replicas = executor._schedule().replicas
+        devices = inputs[0].sharding.mesh.size if inputs and hasattr(inputs[0].sharding, "mesh") else 1
+        usage = single_ipu_usage(compiled.executable, call_args[0], replicas // devices)
+    schedule = _schedule(executor, call)
+    samples = int(inputs[0].shape[0] * inputs[0].shape[1] * inputs[0].shape[2] * inputs[0].shape[3]) \
+        if inputs and inputs[0].ndim >= 4 else None
+    return {
+        "kind": "training" if executor._training else "inference",
+        "compile_seconds": compile_seconds,
+        "ipu_spec": {"name": spec.name, "memory_bytes": spec.memory_bytes, "tiles": spec.tiles},
+        "schedule": {**schedule, "samples_per_call": samples},
+        "memory": [{**u.as_dict(), "capacity": spec.memory_bytes, "fraction": u.total / spec.memory_bytes}
+                   for u in usage],
+        "stages": stages,
+        "flops_note": FLOPS_NOTE,
+        "jax_backend": jax.default_backend(),
+    }

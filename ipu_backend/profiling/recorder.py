@@ -1,0 +1,148 @@
+"""What an executor calls when ``Options.enableProfiling`` is on: it notes each compilation and
+the wall-clock marks of each call, and writes the reports into the executor's directory.
+
+Files, in ``<profiling dir>/<model>/`` (``training``, ``inference``; for a Lightning step method
+``training``, ``validation``, ``test``, ``predict``): ``compile_report.json`` and ``.html`` after
+each compilation; ``execution_report.json``, ``.html`` and ``execution_trace.json`` after calls
+1, 2, 4, 8, ..., when the executor is destroyed, and at exit.
+"""
+
+import atexit
+import json
+import os
+import time
+import weakref
+
+import jax
+
+from ipu_backend.profiling.compile_page import compile_page
+from ipu_backend.profiling.execution import Call, summarize
+from ipu_backend.profiling.execution_page import execution_page
+from ipu_backend.profiling.program_report import describe
+from ipu_backend.profiling.trace import chrome_trace
+
+DEFAULT_DIR = "ipu_reports"
+"""Where reports go when profiling is switched on without a directory."""
+_MODEL_NAMES = {"training_step": "training", "validation_step": "validation", "test_step": "test",
+                "predict_step": "predict"}
+_OPEN: "weakref.WeakValueDictionary[str, Recorder]" = weakref.WeakValueDictionary()
+"""Directories of the recorders alive in this process: two models never write into one."""
+
+
+class NullRecorder:
+    """Profiling off: the executor's hooks do nothing."""
+
+    def started(self) -> None:
+        pass
+
+    def compiled(self, executor, compiled, call_args) -> None:
+        pass
+
+    def inputs_on_device(self, call_args) -> None:
+        pass
+
+    def computed(self, *results) -> None:
+        pass
+
+    def finished(self, executor, compiled, call_args) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _directory(root: str, name: str) -> str:
+    """``root/name``, or ``root/name_2``, ... while another live recorder writes there."""
+    path, suffix = os.path.join(root, name), 2
+    while path in _OPEN:
+        path, suffix = os.path.join(root, f"{name}_{suffix}"), suffix + 1
+    return path
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as file:
+        file.write(text)
+
+
+class Recorder:
+    """The reports of one executor (see the module docstring)."""
+
+    def __init__(self, root: str, name: str):
+        self.name = name
+        self.directory = _directory(os.path.abspath(root), name)
+        _OPEN[self.directory] = self
+        self.reports: list[dict] = []
+        self.calls: list[Call] = []
+        self._programs: dict[int, int] = {}     # id of the executor's compiled program -> report index
+        self._marks: dict[str, float] = {}
+        self._written_calls = 0
+        atexit.register(_flush_at_exit, weakref.ref(self))
+
+    # --- the executor's hooks, in the order of a call --------------------------------------------
+    def started(self) -> None:
+        self._marks = {"started": time.perf_counter()}
+
+    def compiled(self, executor, compiled, call_args) -> None:
+        """Just compiled: the program's figures, compile time from the start of the call (capture,
+        partitioning and XLA compilation)."""
+        now = time.perf_counter()
+        self._add(executor, compiled, call_args, now - self._marks.get("started", compiled.started))
+        self._marks["compiled"] = now
+
+    def inputs_on_device(self, call_args) -> None:
+        jax.block_until_ready(call_args[1])
+        self._marks["inputs"] = time.perf_counter()
+
+    def computed(self, *results) -> None:
+        jax.block_until_ready(results)
+        self._marks["computed"] = time.perf_counter()
+
+    def finished(self, executor, compiled, call_args) -> None:
+        if id(compiled) not in self._programs:       # compiled earlier for another executor
+            self._add(executor, compiled, call_args, None)
+        marks = self._marks
+        start = max(marks["started"], marks.get("compiled", marks["started"]))
+        self.calls.append(Call(self._programs[id(compiled)], start, marks["inputs"], marks["computed"],
+                               time.perf_counter()))
+        if len(self.calls) & (len(self.calls) - 1) == 0:
+            self.write_execution_report()
+
+    def close(self) -> None:
+        """The executor is destroyed: final reports; the directory is free for another model."""
+        self.write_execution_report()
+        _OPEN.pop(self.directory, None)
+
+    # --- reports -----------------------------------------------------------------------------
+    def _add(self, executor, compiled, call_args, seconds: float | None) -> None:
+        self._programs[id(compiled)] = len(self.reports)
+        self.reports.append(describe(executor, compiled, call_args, seconds))
+        os.makedirs(self.directory, exist_ok=True)
+        _write(os.path.join(self.directory, "compile_report.json"),
+               json.dumps({"model": self.name, "programs": self.reports}, indent=1))
+        _write(os.path.join(self.directory, "compile_report.html"), compile_page(self.name, self.reports))
+
+    def write_execution_report(self) -> None:
+        if not self.reports or self._written_calls == len(self.calls):
+            return
+        self._written_calls = len(self.calls)
+        summaries = [summarize(report, [c for c in self.calls if c.program == i])
+                     for i, report in enumerate(self.reports)]
+        _write(os.path.join(self.directory, "execution_report.json"),
+               json.dumps({"model": self.name, "programs": summaries}, indent=1))
+        _write(os.path.join(self.directory, "execution_trace.json"), json.dumps(chrome_trace(self.reports, self.calls)))
+        _write(os.path.join(self.directory, "execution_report.html"),
+               execution_page(self.name, self.reports, summaries))
+
+
+def _flush_at_exit(recorder: "weakref.ref[Recorder]") -> None:
+    live = recorder()
+    if live is not None:
+        live.write_execution_report()
+
+
+def recorder_for(options, training: bool, step_method: str | None):
+    """The recorder of an executor: a :class:`Recorder` when ``options`` enable profiling."""
+    if options.profiling_dir is None:
+        return NullRecorder()
+    name = _MODEL_NAMES.get(step_method, step_method) or ("training" if training else "inference")
+    return Recorder(options.profiling_dir, name)
