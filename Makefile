@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test bench docs
 
 setup: $(STAMP)
 
@@ -26,3 +26,7 @@ bench: setup
 	$(PY) bench/device_iterations.py
 	$(PY) bench/pipeline_overhead.py
 	$(PY) bench/lightning_trainer.py
+
+# The documentation site (mkdocs.yml), built offline into build/site; --strict fails on any warning.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
