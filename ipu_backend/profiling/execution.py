@@ -4,7 +4,7 @@ calls give (time per call, steps/s, the host transfer and compute split)."""
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ipu_backend.profiling.timeline import Timeline, bubble_fraction, timeline, utilization
+from ipu_backend.profiling.timeline import Timeline, bubble_fraction, manual_timeline, timeline, utilization
 
 MODEL_NOTE = ("Timings inside a call are modelled, not sampled: every IPU's programs run fused on "
               "the host's CPU, so the per-micro-batch schedule is the executor's dispatch order "
@@ -32,6 +32,8 @@ def program_timeline(report: dict) -> tuple[Timeline, int]:
     """The timeline of a program and how many times it repeats in one call: once per device
     iteration in training; once per call in inference (the iterations are its micro-batches)."""
     schedule = report["schedule"]
+    if schedule["manual_passes"] is not None:
+        return manual_timeline(schedule["manual_passes"]), schedule["device_iterations"]
     if schedule["training"]:
         return timeline(True, schedule["gradient_accumulation"], schedule["stages"],
                         schedule["pipelined"]), schedule["device_iterations"]

@@ -5,7 +5,8 @@ import jax
 
 from ipu_backend.profiling.costs import aten_op_counts, hlo_op_counts, xla_costs
 from ipu_backend.profiling.memory_usage import single_ipu_usage
-from ipu_backend.runtime.memory import MK2
+from ipu_backend.profiling.timeline import BACKWARD, UPDATE
+from ipu_backend.runtime.memory import in_force
 from ipu_backend.runtime.pipeline import MultiIpuProgram
 
 FLOPS_NOTE = ("FLOPs and bytes are XLA's cost analysis of each compiled program; the body of a "
@@ -24,23 +25,33 @@ def _stage(index: int, ipu: int, nodes, programs: dict) -> dict:
             "flops": sum(c["flops"] for c in costs.values()), "programs": costs}
 
 
-def _schedule(executor, call) -> dict:
-    schedule = executor._schedule()
+def _manual_passes(compiled) -> list[str] | None:
+    """The backward passes and optimizer steps of a manual-optimization step, in order."""
+    from ipu_backend.runtime.manual import Backward, Step     # manual.py imports the recorder
+
+    events = getattr(compiled, "events", None)
+    return None if events is None else [BACKWARD if isinstance(e, Backward) else UPDATE for e in events
+                                        if isinstance(e, (Backward, Step))]
+
+
+def _schedule(executor, compiled, training: bool) -> dict:
+    schedule, call = executor._schedule(), compiled.call
     multi = isinstance(call, MultiIpuProgram)
-    return {"training": executor._training, "device_iterations": schedule.device_iterations,
+    manual = _manual_passes(compiled)
+    single = "single IPU" if manual is None else "single IPU, manual optimization"
+    return {"training": training, "device_iterations": schedule.device_iterations,
             "gradient_accumulation": schedule.accumulation, "replicas": schedule.replicas,
             "stages": len(call.stages) if multi else 1,
             "ipus_per_replica": call.part.num_ipus if multi else 1,
-            "execution": ("pipelined" if call.settings.pipelined else "sharded") if multi else "single IPU",
-            "pipelined": multi and call.settings.pipelined}
+            "execution": ("pipelined" if call.settings.pipelined else "sharded") if multi else single,
+            "pipelined": multi and call.settings.pipelined, "manual_passes": manual}
 
 
 def _ipu_spec(options):
-    strategy = options.execution_strategy
-    return strategy.ipu_spec if strategy is not None and hasattr(strategy, "ipu_spec") else MK2
+    return in_force(options)[0]
 
 
-def describe(executor, compiled, call_args: tuple, compile_seconds: float | None) -> dict:
+def describe(executor, compiled, call_args: tuple, compile_seconds: float | None, training: bool) -> dict:
     """The figures of ``compiled`` (an executor's program), first called with ``call_args``."""
     call, spec = compiled.call, _ipu_spec(executor.options)
     inputs = call_args[1]
@@ -53,11 +64,11 @@ def describe(executor, compiled, call_args: tuple, compile_seconds: float | None
         replicas = executor._schedule().replicas
         devices = inputs[0].sharding.mesh.size if inputs and hasattr(inputs[0].sharding, "mesh") else 1
         usage = single_ipu_usage(compiled.executable, call_args[0], replicas // devices)
-    schedule = _schedule(executor, call)
+    schedule = _schedule(executor, compiled, training)
     samples = int(inputs[0].shape[0] * inputs[0].shape[1] * inputs[0].shape[2] * inputs[0].shape[3]) \
         if inputs and inputs[0].ndim >= 4 else None
     return {
-        "kind": "training" if executor._training else "inference",
+        "kind": "training" if training else "inference",
         "compile_seconds": compile_seconds,
         "ipu_spec": {"name": spec.name, "memory_bytes": spec.memory_bytes, "tiles": spec.tiles},
         "schedule": {**schedule, "samples_per_call": samples},

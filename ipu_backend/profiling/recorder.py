@@ -67,8 +67,8 @@ def _write(path: str, text: str) -> None:
 class Recorder:
     """The reports of one executor (see the module docstring)."""
 
-    def __init__(self, root: str, name: str):
-        self.name = name
+    def __init__(self, root: str, name: str, training: bool):
+        self.name, self.training = name, training
         self.directory = _directory(os.path.abspath(root), name)
         _OPEN[self.directory] = self
         self.reports: list[dict] = []
@@ -115,7 +115,7 @@ class Recorder:
     # --- reports -----------------------------------------------------------------------------
     def _add(self, executor, compiled, call_args, seconds: float | None) -> None:
         self._programs[id(compiled)] = len(self.reports)
-        self.reports.append(describe(executor, compiled, call_args, seconds))
+        self.reports.append(describe(executor, compiled, call_args, seconds, self.training))
         os.makedirs(self.directory, exist_ok=True)
         _write(os.path.join(self.directory, "compile_report.json"),
                json.dumps({"model": self.name, "programs": self.reports}, indent=1))
@@ -145,4 +145,4 @@ def recorder_for(options, training: bool, step_method: str | None):
     if options.profiling_dir is None:
         return NullRecorder()
     name = _MODEL_NAMES.get(step_method, step_method) or ("training" if training else "inference")
-    return Recorder(options.profiling_dir, name)
+    return Recorder(options.profiling_dir, name, training)

@@ -85,6 +85,14 @@ def timeline(training: bool, micro_batches: int, stages: int, pipelined: bool) -
     return Timeline(tuple(build(micro_batches, stages, pipelined)), stages, micro_batches, pipelined, training)
 
 
+def manual_timeline(passes: list[str]) -> Timeline:
+    """A manual-optimization step on one IPU: its forward, then its ``manual_backward`` calls
+    (BACKWARD) and optimizer steps (UPDATE) in the order the step makes them."""
+    slots = [Slot(FORWARD, 0, 0, 0)] + [Slot(role, 0, 0 if role == BACKWARD else None, start)
+                                        for start, role in enumerate(passes, start=1)]
+    return Timeline(tuple(slots), 1, 1, False, True)
+
+
 def busy_slots(line: Timeline, stages: set[int], passes_only: bool = False) -> int:
     """Slots in which at least one of ``stages`` (those of one IPU) works."""
     return len({t for slot in line.slots if slot.stage in stages and not (passes_only and slot.role == UPDATE)

@@ -43,6 +43,7 @@ from ipu_backend.compiler import compile_module
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX
 from ipu_backend.enums import OutputMode
 from ipu_backend.errors import Error
+from ipu_backend.profiling import recorder_for
 from ipu_backend.runtime import compilation_cache
 from ipu_backend.runtime.clipping import GradientClipping
 from ipu_backend.runtime.devices import replica_mesh
@@ -194,12 +195,14 @@ class ManualStepExecutor:
         self.last_program = None
         self.last_events: tuple = ()
         compilation_cache.configure(self._options.executable_cache_dir)
+        self._profiler = recorder_for(self._options, True, step_method)
 
     @property
     def options(self):
         return self._options
 
     def __call__(self, *args):
+        self._profiler.started()
         compiled = self._compile(tuple(args))
         schedule = self._schedule()
         mesh = replica_mesh(schedule.replicas)
@@ -219,18 +222,24 @@ class ManualStepExecutor:
         if compiled.executable is None:
             compiled.executable = compiled.call.lower(*call_args).compile()
             logger.info("compiled the manual training program in %.2f s", time.perf_counter() - compiled.started)
+            self._profiler.compiled(self, compiled, call_args)
+        self._profiler.inputs_on_device(call_args)
         state, arrays, logs = compiled.executable(*call_args)
+        self._profiler.computed(state, arrays, logs)
         self._opt_states = state["opt"]
         self._store.update(state["params"], state["buffers"])
         self.last_program, self.last_events = compiled.program, compiled.events
         self.last_logs = {name: output_to_host(v, compiled.log_dtypes[name]) for name, v in logs.items()}
-        return compiled.layout.join([output_to_host(a, d) for a, d in zip(arrays, compiled.output_dtypes)])
+        outputs = compiled.layout.join([output_to_host(a, d) for a, d in zip(arrays, compiled.output_dtypes)])
+        self._profiler.finished(self, compiled, call_args)
+        return outputs
 
     def copyWeightsToHost(self) -> None:  # noqa: N802  (PopTorch's name)
         self._store.sync_to_host()
 
     def destroy(self) -> None:
         release(self._model)
+        self._profiler.close()
         self._compiled.clear()
 
     # --- internals -------------------------------------------------------------------------

@@ -4,6 +4,7 @@ import json
 import os
 
 import lightning.pytorch as pl
+import torch.nn.functional as F
 
 from lightning_ipu import IPUStrategy
 from tests.lightning.helpers import QUIET, Regressor, dataset, loader
@@ -48,3 +49,35 @@ def test_no_reports_without_autoreport(tmp_path, monkeypatch):
     trainer = pl.Trainer(accelerator="ipu", devices=1, strategy=IPUStrategy(), **QUIET)
     trainer.validate(Regressor(), loader(dataset(8), 4), verbose=False)
     assert os.listdir(tmp_path) == []
+
+
+
+class TwoManualSteps(Regressor):
+    """Manual optimization: two backward passes, each followed by an optimizer step."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        optimizer = self.optimizers()
+        for _ in range(2):
+            optimizer.zero_grad()
+            self.manual_backward(F.mse_loss(self.net(x), y))
+            optimizer.step()
+
+
+def test_a_manual_optimization_step_reports_its_backward_passes_and_optimizer_steps(tmp_path):
+    trainer = pl.Trainer(accelerator="ipu", devices=2, max_steps=2, **QUIET,
+                         strategy=IPUStrategy(autoreport=True, autoreport_dir=str(tmp_path)))
+    trainer.fit(TwoManualSteps(), loader(dataset(16), 4))
+    directory = tmp_path / "training"
+    compiled = json.loads((directory / "compile_report.json").read_text())["programs"][0]
+    assert compiled["schedule"]["manual_passes"] == ["backward", "update", "backward", "update"]
+    assert compiled["schedule"]["execution"] == "single IPU, manual optimization"
+    trace = json.loads((directory / "execution_trace.json").read_text())
+    for replica in (0, 1):
+        names = [e["name"] for e in sorted(trace["traceEvents"], key=lambda e: e.get("ts", -1))
+                 if e["ph"] == "X" and e["pid"] == 0 and e["tid"] == replica and e["args"]["call"] == 0]
+        assert names == ["F0", "B0", "update", "B0", "update"]
