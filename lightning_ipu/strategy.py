@@ -72,6 +72,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import ipu_backend
 from ipu_backend import profiling
+from ipu_backend.blocks import _BeginBlockHook
 from ipu_backend.runtime.clipping import GradientClipping
 from ipu_backend.runtime.executor import PoplarExecutor
 from ipu_backend.runtime.manual import ManualStepExecutor, SchedulerStep, Step
@@ -265,9 +266,12 @@ class IPUStrategy(ParallelStrategy):
         return options
 
     def _warn_if_overridden(self, options, replicas: int, accumulation: int, training: bool) -> None:
+        """Warn about Trainer flags the user's options overrule. ``devices`` may count replicas or,
+        for a model split over IPUs with ``BeginBlock``, every IPU (replicas x IPUs per replica)."""
         which = "training_opts" if training else "inference_opts"
         overridden = []
-        if replicas != 1 and options.replication_factor != replicas:
+        ipus = options.replication_factor * _ipus_per_replica(self.lightning_module)
+        if replicas != 1 and replicas not in (options.replication_factor, ipus):
             overridden.append(f"devices={replicas} (replication_factor={options.replication_factor})")
         if training and accumulation != 1 and options.Training.gradient_accumulation != accumulation:
             overridden.append(f"accumulate_grad_batches={accumulation} "
@@ -520,6 +524,14 @@ class IPUStrategy(ParallelStrategy):
         """The optimizer's state as the IPUs have it (momentum, Adam moments, step counts)."""
         self._weights_to_host()
         return super().optimizer_state(optimizer)
+
+
+def _ipus_per_replica(module: torch.nn.Module) -> int:
+    """The IPUs that ``BeginBlock(..., ipu_id=...)`` annotations of ``module`` place layers on."""
+    ids = {hook.ipu_id for sub in module.modules() for hook in sub._forward_pre_hooks.values()
+           if isinstance(hook, _BeginBlockHook)}
+    ids.discard(None)
+    return max(ids, default=0) + 1
 
 
 def _micro_batch_size(batch: Any, factor: int) -> int | None:

@@ -81,6 +81,28 @@ def _unsupported(path: str, metric) -> str | None:
     return None
 
 
+_MERGE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+
+
+def _batch_forward(metric):
+    """``metric.forward`` as torchmetrics computes it for ``full_state_update=False`` (update on
+    fresh states, the batch value from them, then the states merged), without its ``no_grad``
+    region, which would drop the nodes' pipeline-block annotations."""
+    def forward(*args, **kwargs):
+        before = {name: getattr(metric, name) for name in metric._defaults}
+        for name, default in metric._defaults.items():
+            setattr(metric, name, default.detach().clone())
+        metric.update(*args, **kwargs)
+        metric._computed = None
+        value = metric.compute()
+        for name in metric._defaults:
+            setattr(metric, name, _MERGE[_reduction(metric, name)](before[name], getattr(metric, name)))
+        metric._computed = None
+        metric._forward_cache = value
+        return value
+    return forward
+
+
 def _refusal(message: str):
     def refuse(*args, **kwargs):
         raise Error(message)
@@ -90,7 +112,8 @@ def _refusal(message: str):
 @contextlib.contextmanager
 def lifted(module: torch.nn.Module):
     """Within: every metric of ``module`` (yielded by path) starts from its default state, with
-    value checks off (``validate_args`` reads the data, which a traced step cannot); one whose state
+    value checks off (``validate_args`` reads the data, which a traced step cannot) and updates in
+    the step's grad mode; one whose state
     cannot be carried raises a clear error when updated. On exit its attributes and bookkeeping are
     as they were."""
     metrics = metrics_of(module)
@@ -103,10 +126,15 @@ def lifted(module: torch.nn.Module):
             problem = _unsupported(path, metric)
             if problem:
                 metric.__dict__.update(update=_refusal(problem), forward=_refusal(problem))
+            else:
+                metric.forward = _batch_forward(metric)
             metric._forward_cache = None
             metric._update_count = 0
             if hasattr(metric, "validate_args"):
                 metric.validate_args = False
+            # torchmetrics updates under set_grad_enabled(_enable_grad); a change of grad mode would
+            # drop the nodes' pipeline-block annotations, and the states have no gradient anyway
+            metric._enable_grad = torch.is_grad_enabled()
         yield metrics
     finally:
         for path, metric in metrics.items():
