@@ -28,6 +28,24 @@ class Call:
         return self.finished - self.start
 
 
+@dataclass
+class CallTotals:
+    """Sums over a program's calls: all the summary needs, however long the run."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    host_to_ipu: float = 0.0
+    compute: float = 0.0
+    ipu_to_host: float = 0.0
+
+    def add(self, call: Call) -> None:
+        self.calls += 1
+        self.seconds += call.seconds
+        self.host_to_ipu += call.inputs - call.start
+        self.compute += call.computed - call.inputs
+        self.ipu_to_host += call.finished - call.computed
+
+
 def program_timeline(report: dict) -> tuple[Timeline, int]:
     """The timeline of a program and how many times it repeats in one call: once per device
     iteration in training; once per call in inference (the iterations are its micro-batches)."""
@@ -47,8 +65,8 @@ def stages_by_ipu(report: dict) -> dict[int, list[int]]:
     return dict(sorted(by_ipu.items()))
 
 
-def summarize(report: dict, calls: list[Call]) -> dict:
-    """Bubble fraction and per-IPU utilization of the schedule; measured rates of ``calls``."""
+def summarize(report: dict, totals: CallTotals) -> dict:
+    """Bubble fraction and per-IPU utilization of the schedule; measured rates of the calls."""
     line, repeats = program_timeline(report)
     ipus = stages_by_ipu(report)
     schedule = report["schedule"]
@@ -56,18 +74,16 @@ def summarize(report: dict, calls: list[Call]) -> dict:
         "schedule_slots": line.length, "repeats_per_call": repeats,
         "bubble_fraction": bubble_fraction(line, [set(s) for s in ipus.values()]),
         "utilization": {str(ipu): utilization(line, set(s)) for ipu, s in ipus.items()},
-        "calls": len(calls),
+        "calls": totals.calls,
     }
-    if calls:
-        total = sum(c.seconds for c in calls)
-        steps = schedule["device_iterations"] * len(calls)
+    if totals.calls:
+        samples = schedule["samples_per_call"]
         summary.update({
-            "seconds_per_call": total / len(calls),
-            "steps_per_second": steps / total,
-            "samples_per_second": (schedule["samples_per_call"] * len(calls) / total
-                                   if schedule["samples_per_call"] else None),
-            "host_to_ipu_seconds": sum(c.inputs - c.start for c in calls) / len(calls),
-            "compute_seconds": sum(c.computed - c.inputs for c in calls) / len(calls),
-            "ipu_to_host_seconds": sum(c.finished - c.computed for c in calls) / len(calls),
+            "seconds_per_call": totals.seconds / totals.calls,
+            "steps_per_second": schedule["device_iterations"] * totals.calls / totals.seconds,
+            "samples_per_second": samples * totals.calls / totals.seconds if samples else None,
+            "host_to_ipu_seconds": totals.host_to_ipu / totals.calls,
+            "compute_seconds": totals.compute / totals.calls,
+            "ipu_to_host_seconds": totals.ipu_to_host / totals.calls,
         })
     return summary

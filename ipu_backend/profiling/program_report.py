@@ -2,6 +2,7 @@
 the IPU's capacity, and per stage its FLOPs and operation counts."""
 
 import jax
+from jax.sharding import NamedSharding
 
 from ipu_backend.profiling.costs import aten_op_counts, hlo_op_counts, xla_costs
 from ipu_backend.profiling.memory_usage import single_ipu_usage
@@ -47,6 +48,13 @@ def _schedule(executor, compiled, training: bool) -> dict:
             "pipelined": multi and call.settings.pipelined, "manual_passes": manual}
 
 
+def _mesh_size(call_args: tuple) -> int:
+    """Devices the step's replicas are spread over (several replicas share one when fewer)."""
+    meshes = [leaf.sharding.mesh for leaf in jax.tree.leaves(call_args[:2])
+              if isinstance(getattr(leaf, "sharding", None), NamedSharding)]
+    return meshes[0].size if meshes else 1
+
+
 def _ipu_spec(options):
     return in_force(options)[0]
 
@@ -61,9 +69,8 @@ def describe(executor, compiled, call_args: tuple, compile_seconds: float | None
     else:
         nodes = compiled.program.graph_module.graph.nodes
         stages = [_stage(0, 0, nodes, {"step": compiled.executable})]
-        replicas = executor._schedule().replicas
-        devices = inputs[0].sharding.mesh.size if inputs and hasattr(inputs[0].sharding, "mesh") else 1
-        usage = single_ipu_usage(compiled.executable, call_args[0], replicas // devices)
+        usage = single_ipu_usage(compiled.executable, call_args[0],
+                                 executor._schedule().replicas // _mesh_size(call_args))
     schedule = _schedule(executor, compiled, training)
     samples = int(inputs[0].shape[0] * inputs[0].shape[1] * inputs[0].shape[2] * inputs[0].shape[3]) \
         if inputs and inputs[0].ndim >= 4 else None

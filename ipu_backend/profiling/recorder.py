@@ -12,17 +12,20 @@ import json
 import os
 import time
 import weakref
+from collections import deque
 
 import jax
 
 from ipu_backend.profiling.compile_page import compile_page
-from ipu_backend.profiling.execution import Call, summarize
+from ipu_backend.profiling.execution import Call, CallTotals, summarize
 from ipu_backend.profiling.execution_page import execution_page
 from ipu_backend.profiling.program_report import describe
 from ipu_backend.profiling.trace import chrome_trace
 
 DEFAULT_DIR = "ipu_reports"
-"""Where reports go when profiling is switched on without a directory."""
+"""Where ``IPUStrategy(autoreport=True)`` writes reports when given no ``autoreport_dir``."""
+TRACE_CALLS = 3
+"""The latest calls drawn in the trace (every call counts in the summary)."""
 _MODEL_NAMES = {"training_step": "training", "validation_step": "validation", "test_step": "test",
                 "predict_step": "predict"}
 _OPEN: "weakref.WeakValueDictionary[str, Recorder]" = weakref.WeakValueDictionary()
@@ -72,8 +75,10 @@ class Recorder:
         self.directory = _directory(os.path.abspath(root), name)
         _OPEN[self.directory] = self
         self.reports: list[dict] = []
-        self.calls: list[Call] = []
-        self._programs: dict[int, int] = {}     # id of the executor's compiled program -> report index
+        self.totals: list[CallTotals] = []       # per report
+        self.latest: deque[Call] = deque(maxlen=TRACE_CALLS)
+        self.calls = 0
+        self._programs = weakref.WeakKeyDictionary()     # the executor's compiled program -> report index
         self._marks: dict[str, float] = {}
         self._written_calls = 0
         atexit.register(_flush_at_exit, weakref.ref(self))
@@ -98,13 +103,15 @@ class Recorder:
         self._marks["computed"] = time.perf_counter()
 
     def finished(self, executor, compiled, call_args) -> None:
-        if id(compiled) not in self._programs:       # compiled earlier for another executor
+        if compiled not in self._programs:       # compiled earlier for another executor
             self._add(executor, compiled, call_args, None)
         marks = self._marks
         start = max(marks["started"], marks.get("compiled", marks["started"]))
-        self.calls.append(Call(self._programs[id(compiled)], start, marks["inputs"], marks["computed"],
-                               time.perf_counter()))
-        if len(self.calls) & (len(self.calls) - 1) == 0:
+        call = Call(self._programs[compiled], start, marks["inputs"], marks["computed"], time.perf_counter())
+        self.totals[call.program].add(call)
+        self.latest.append(call)
+        self.calls += 1
+        if self.calls & (self.calls - 1) == 0:
             self.write_execution_report()
 
     def close(self) -> None:
@@ -114,22 +121,23 @@ class Recorder:
 
     # --- reports -----------------------------------------------------------------------------
     def _add(self, executor, compiled, call_args, seconds: float | None) -> None:
-        self._programs[id(compiled)] = len(self.reports)
+        self._programs[compiled] = len(self.reports)
         self.reports.append(describe(executor, compiled, call_args, seconds, self.training))
+        self.totals.append(CallTotals())
         os.makedirs(self.directory, exist_ok=True)
         _write(os.path.join(self.directory, "compile_report.json"),
                json.dumps({"model": self.name, "programs": self.reports}, indent=1))
         _write(os.path.join(self.directory, "compile_report.html"), compile_page(self.name, self.reports))
 
     def write_execution_report(self) -> None:
-        if not self.reports or self._written_calls == len(self.calls):
+        if not self.reports or self._written_calls == self.calls:
             return
-        self._written_calls = len(self.calls)
-        summaries = [summarize(report, [c for c in self.calls if c.program == i])
-                     for i, report in enumerate(self.reports)]
+        self._written_calls = self.calls
+        summaries = [summarize(report, totals) for report, totals in zip(self.reports, self.totals)]
         _write(os.path.join(self.directory, "execution_report.json"),
                json.dumps({"model": self.name, "programs": summaries}, indent=1))
-        _write(os.path.join(self.directory, "execution_trace.json"), json.dumps(chrome_trace(self.reports, self.calls)))
+        _write(os.path.join(self.directory, "execution_trace.json"),
+               json.dumps(chrome_trace(self.reports, list(self.latest), self.calls)))
         _write(os.path.join(self.directory, "execution_report.html"),
                execution_page(self.name, self.reports, summaries))
 

@@ -4,8 +4,6 @@ the replica (a lane per stage when an IPU holds several stages); times in micros
 from ipu_backend.profiling.execution import MODEL_NOTE, Call, program_timeline, stages_by_ipu
 from ipu_backend.profiling.timeline import BACKWARD, FORWARD
 
-TRACE_CALLS = 3
-"""The latest calls drawn in the trace (every call counts in the summary)."""
 MAX_EVENTS_PER_CALL = 50_000
 """Device iterations past this many events are left out of a call's trace (the trace says so)."""
 _LETTER = {FORWARD: "F", BACKWARD: "B"}
@@ -51,10 +49,10 @@ def _call_events(report: dict, call: Call, index: int, origin: float, host: int)
     return events, repeats - drawn
 
 
-def chrome_trace(reports: list[dict], calls: list[Call]) -> dict:
-    """The trace of the latest :data:`TRACE_CALLS` calls (``reports[call.program]`` each)."""
+def chrome_trace(reports: list[dict], shown: list[Call], calls_recorded: int) -> dict:
+    """The trace of the calls ``shown``, the latest of the ``calls_recorded`` (their programs'
+    figures are ``reports[call.program]``)."""
     host = host_pid(reports)
-    shown = calls[-TRACE_CALLS:]
     origin = shown[0].start if shown else 0.0
     events = [_metadata("process_name", host, None, "Host"), _metadata("thread_name", host, 0, "transfers")]
     for ipu, stages in stages_by_ipu(reports[-1]).items():
@@ -64,10 +62,10 @@ def chrome_trace(reports: list[dict], calls: list[Call]) -> dict:
                 suffix = f", stage {stage}" if len(stages) > 1 else ""
                 events.append(_metadata("thread_name", ipu, replica * len(stages) + lane, f"replica {replica}{suffix}"))
     left_out = 0
-    for index, call in enumerate(shown, start=len(calls) - len(shown)):
+    for index, call in enumerate(shown, start=calls_recorded - len(shown)):
         call_events, missing = _call_events(reports[call.program], call, index, origin, host)
         events += call_events
         left_out += missing
     return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"note": MODEL_NOTE, "calls_recorded": len(calls), "calls_drawn": len(shown),
+            "otherData": {"note": MODEL_NOTE, "calls_recorded": calls_recorded, "calls_drawn": len(shown),
                           "device_iterations_left_out": left_out}}
