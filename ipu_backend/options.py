@@ -26,6 +26,7 @@ raises :class:`FrozenOptionsError` with PopTorch's message. :meth:`Options.clone
 """
 
 import copy
+import dataclasses
 import enum
 import functools
 import inspect
@@ -48,6 +49,7 @@ from ipu_backend.enums import (
     SyncPattern,
 )
 from ipu_backend.errors import Error
+from ipu_backend.runtime.memory import DEFAULT_CHECK, MEMORY_CHECKS, MK2, IpuSpec
 
 
 class FrozenOptionsError(Error, AttributeError):
@@ -134,8 +136,31 @@ def _partials_type(value: Any) -> torch.dtype:
         f"got {value!r}")
 
 
+def _ipu_spec(value: Any) -> IpuSpec:
+    """An :class:`IpuSpec`, or the mapping of its fields that ``toDict`` gives."""
+    if isinstance(value, IpuSpec):
+        return value
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(IpuSpec)})
+        if unknown:
+            raise InvalidArgument(f"ipu_spec has no field(s) {unknown}; its fields are memory_bytes, "
+                                  "tiles and name")
+        return IpuSpec(**value)
+    raise WrongArgumentType(f"ipu_spec must be a poptorch.IpuSpec (or a mapping of its fields), got "
+                            f"{value!r}")
+
+
+def _memory_check(value: Any) -> str:
+    if value not in MEMORY_CHECKS:
+        raise InvalidArgument(f"memory_check must be one of {', '.join(MEMORY_CHECKS)}, got {value!r}")
+    return value
+
+
 def _plain(value: Any) -> Any:
-    """A setting as ``toDict`` reports it: enums by member name, dtypes by partials type name."""
+    """A setting as ``toDict`` reports it: enums by member name, dtypes by partials type name, an
+    IPU spec as the mapping of its fields."""
+    if isinstance(value, IpuSpec):
+        return dataclasses.asdict(value)
     if isinstance(value, enum.Enum):
         return value.name
     if isinstance(value, torch.dtype):
@@ -576,6 +601,8 @@ class Options(_OptionGroup):
             auto_round_num_ipus: bool = False,
             broadcast_buffers: bool = True,
             profiling_dir: str | None = None,
+            ipu_spec: IpuSpec = MK2,
+            memory_check: str = DEFAULT_CHECK,
     ) -> None:
         shared = _SharedState()
         super().__init__(shared, execution_strategy=None, random_seed=None, profiling_dir=None)
@@ -609,6 +636,8 @@ class Options(_OptionGroup):
         self.broadcastBuffers(broadcast_buffers)
         if profiling_dir is not None:
             self.enableProfiling(profiling_dir)
+        self.setIpuSpec(ipu_spec)
+        self.setMemoryCheck(memory_check)
 
     # Option groups, as PopTorch's properties.
 
@@ -662,6 +691,9 @@ class Options(_OptionGroup):
         "broadcast_buffers", "Whether buffers are broadcast from replica 0 to all replicas.")
     profiling_dir = _emulated(
         "profiling_dir", "Directory receiving profiling reports, or None when profiling is off.")
+    ipu_spec = _emulated("ipu_spec", "The IpuSpec of each emulated IPU (Mk2 by default).")
+    memory_check = _emulated(
+        "memory_check", "What a model too large for its IPUs gets: 'error', 'warn' or 'off'.")
 
     # PopTorch's setters for emulated settings.
 
@@ -739,6 +771,23 @@ class Options(_OptionGroup):
     def enableProfiling(self, profile_dir: str | None = None) -> Self:
         """Write profiling reports to ``profile_dir`` (default: the current directory)."""
         self._values["profiling_dir"] = _path_or_none(profile_dir, "profile_dir") or "."
+        return self
+
+    @_unless_frozen
+    def setIpuSpec(self, ipu_spec: IpuSpec) -> Self:
+        """Beyond PopTorch: the memory and tiles of each emulated IPU (``IpuSpec()``, a Mk2 GC200,
+        by default), against which every compiled model's per-IPU memory is checked. Also
+        settable on ``PipelinedExecution(ipu_spec=...)``; set differently in both, compiling a
+        model raises an error."""
+        self._values["ipu_spec"] = _ipu_spec(ipu_spec)
+        return self
+
+    @_unless_frozen
+    def setMemoryCheck(self, memory_check: str) -> Self:
+        """Beyond PopTorch: what compiling a model that does not fit its IPUs' memory does —
+        ``"error"`` (the default: ``poptorch.OutOfMemoryError`` listing each IPU's usage),
+        ``"warn"`` (the same message as a warning, and the model runs) or ``"off"``."""
+        self._values["memory_check"] = _memory_check(memory_check)
         return self
 
     # PopTorch settings that would change the numbers and are not emulated.

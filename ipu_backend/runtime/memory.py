@@ -24,6 +24,14 @@ class IpuSpec:
     tiles: int = 1472
     name: str = "Mk2"
 
+    def __post_init__(self):
+        for field_name in ("memory_bytes", "tiles"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise Error(f"IpuSpec.{field_name} must be a positive int, got {value!r}")
+        if not isinstance(self.name, str):
+            raise Error(f"IpuSpec.name must be a str, got {self.name!r}")
+
     @property
     def bytes_per_tile(self) -> float:
         return self.memory_bytes / self.tiles
@@ -31,6 +39,31 @@ class IpuSpec:
 
 MK2 = IpuSpec()
 MEMORY_CHECKS = ("error", "warn", "off")
+DEFAULT_CHECK = "error"
+
+
+def in_force(options) -> tuple[IpuSpec, str]:
+    """The IPU spec and memory check that apply to a model compiled with ``options``.
+
+    Both are set through ``Options`` (``setIpuSpec`` / ``setMemoryCheck``, or the ``ipu_spec`` /
+    ``memory_check`` keywords) or, for a model split over IPUs, on its ``PipelinedExecution`` /
+    ``ShardedExecution``. A setting left at its default in one place gives way to the other;
+    set to different values in both, it is an error (which one was meant is not knowable).
+    """
+    strategy = options.execution_strategy
+    return (_one_of(options.ipu_spec, getattr(strategy, "ipu_spec", MK2), MK2, "ipu_spec", "setIpuSpec"),
+            _one_of(options.memory_check, getattr(strategy, "memory_check", DEFAULT_CHECK), DEFAULT_CHECK,
+                    "memory_check", "setMemoryCheck"))
+
+
+def _one_of(from_options, from_strategy, default, name: str, setter: str):
+    if from_strategy == default or from_strategy == from_options:
+        return from_options
+    if from_options == default:
+        return from_strategy
+    raise Error(f"{name} is set both in Options ({from_options!r}) and in the execution strategy "
+                f"({from_strategy!r}): set it in one place only (Options.{setter} applies to every "
+                "model, single-IPU ones included)")
 
 
 @dataclass
