@@ -75,3 +75,27 @@ def test_pages_load_nothing_from_the_network(site):
     for page in PAGES:
         links = re.findall(r'<(?:link|script)[^>]+(?:href|src)="(https?://[^"]+)"', (site / page).read_text())
         assert links == [], f"{page} loads {links}"
+
+
+def public_names() -> list[str]:
+    """``ipu_backend.__all__``, read from its source."""
+    names = []
+    for node in ast.parse((ROOT / "ipu_backend/__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign):
+            target = node.targets[0]
+        elif isinstance(node, ast.AugAssign):
+            target = node.target
+        else:
+            continue
+        if getattr(target, "id", None) == "__all__":
+            names += [element.value for element in node.value.elts]
+    return names
+
+
+def test_every_public_name_has_a_compatibility_row_and_an_api_entry(site):
+    names = public_names()
+    assert "trainingModel" in names and "BeginBlock" in names
+    compatibility = (site / "poptorch-compatibility.html").read_text()
+    api = (site / "api/ipu_backend.html").read_text()
+    assert [n for n in names if not re.search(rf"<code>(poptorch\.)?{n}\b", compatibility)] == []
+    assert [n for n in names if f'id="ipu_backend.{n}"' not in api] == []
