@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from ipu_backend.compiler import registry
+from ipu_backend.compiler import registry, return_types  # noqa: F401  (return_types registers pytrees)
 from ipu_backend.compiler.dtypes import jax_dtype
+from ipu_backend.compiler.lowerings import views
 from ipu_backend.compiler.sources import user_location
 from ipu_backend.errors import Error
 
@@ -66,6 +67,17 @@ def unsupported_ops(graph_module: torch.fx.GraphModule) -> list[tuple[str, str]]
             if isinstance(value, torch.fx.GraphModule):
                 missing.extend(unsupported_ops(value))
     return missing
+
+
+def reject_boolean_mask_indexing(graph_module: torch.fx.GraphModule) -> None:
+    """Raise, before anything is traced, for ``x[mask]`` with a boolean mask: torch.export keeps
+    it with a data-dependent size, which no lowering can give."""
+    for node in graph_module.graph.nodes:
+        if node.target is torch.ops.aten.index.Tensor and any(
+                isinstance(i, torch.fx.Node) and i.meta["val"].dtype in (torch.bool, torch.uint8)
+                for i in node.args[1]):
+            raise views.boolean_mask_error(
+                user_location(node.meta.get("stack_trace")) or "unknown source line")
 
 
 def run_graph(graph_module: torch.fx.GraphModule, inputs, base_key, path=()):

@@ -61,6 +61,7 @@ def compile_module(module: torch.nn.Module, example_args: tuple, method: str | N
         raise Error("these operations have no lowering to JAX:\n" + listing +
                     "\nRewrite those lines with supported torch operations, or register a "
                     "lowering with ipu_backend.compiler.lowering(<op overload>).")
+    interpreter.reject_boolean_mask_indexing(exported.graph_module)
     prefix = "" if method is None else "module."
     logs = () if method is None else tuple(target.recorder.calls)
     return _build(module, exported, prefix, logs)

@@ -41,26 +41,42 @@ def _scaled_sum(bias, product, beta, alpha):
     return product + (bias if beta == 1 else beta * bias)
 
 
+def _rows_product(ctx, x, y):
+    """``x @ y`` for 2-D ``x``. Where ``x`` is a view that only merges the leading dims of a
+    tensor with the same last dim (``F.linear`` on N-D inputs decomposes so), multiply that
+    tensor itself: the weight's gradient then contracts over those dims, a form XLA:CPU hands
+    to its fast matrix kernels, where contracting the merged rows of the view is not."""
+    node = ctx.node.args[1 if ctx.node.target is aten.addmm.default else 0]
+    if isinstance(node, torch.fx.Node) and node.target is aten.view.default:
+        source = ctx.value_of(node.args[0])
+        if source is not None and source.ndim > 2 and source.shape[-1] == x.shape[-1]:
+            return jnp.reshape(einsum("...j,jk->...k", source, y), (x.shape[0], y.shape[1]))
+    return einsum("ij,jk->ik", x, y)
+
+
 @lowering(aten.mm.default)
 def mm(ctx, x, y):
-    return einsum("ij,jk->ik", x, y)
+    return _rows_product(ctx, x, y)
 
 
 def _repeated_matrix(ctx, index: int, value):
     """The one matrix a bmm operand repeats over the batch — an ``expand`` of a tensor without a
     real batch dimension, as ``F.linear`` on 3-D inputs decomposes — or None. Multiplying by
     that matrix is one large product (and one large gradient product) instead of a batch of
-    small ones."""
+    small ones. The matrix is taken from before the ``expand`` where that value is at hand, so
+    its gradient is the product itself rather than a batch of zeros summed over."""
     node = ctx.node.args[index]
     matrix_shape = tuple(value.shape[1:])
     while isinstance(node, torch.fx.Node) and node.target is aten.view.default \
             and tuple(node.args[0].meta["val"].shape[-2:]) == matrix_shape:
         node = node.args[0]
-    if isinstance(node, torch.fx.Node) and node.target is aten.expand.default:
-        source = node.args[0].meta["val"].shape
-        if all(size == 1 for size in source[:-2]):
-            return value[0]
-    return None
+    if not (isinstance(node, torch.fx.Node) and node.target is aten.expand.default):
+        return None
+    source = node.args[0]
+    if any(size != 1 for size in source.meta["val"].shape[:-2]):
+        return None
+    matrix = ctx.value_of(source)
+    return value[0] if matrix is None else jnp.reshape(matrix, matrix_shape)
 
 
 @lowering(aten.bmm.default)
@@ -76,7 +92,7 @@ def bmm(ctx, x, y):
 
 @lowering(aten.addmm.default)
 def addmm(ctx, bias, x, y, beta=1, alpha=1):
-    return _scaled_sum(bias, einsum("ij,jk->ik", x, y), beta, alpha)
+    return _scaled_sum(bias, _rows_product(ctx, x, y), beta, alpha)
 
 
 @lowering(aten.addmv.default)

@@ -184,10 +184,22 @@ def _integer_index(indices) -> tuple:
     return tuple(slice(None) if i is None else i for i in indices)
 
 
+def boolean_mask_error(location: str) -> Error:
+    """``x[mask]`` keeps as many elements as the mask has True values: a shape known only from
+    the data, which a compiled program cannot have."""
+    return Error(f"x[mask] with a boolean mask (aten.index.Tensor) at {location} gives a tensor "
+                 "whose size depends on the data, which a compiled IPU program cannot hold. Keep "
+                 "the shape fixed instead: torch.where(mask, x, 0) or x.masked_fill(~mask, 0), "
+                 "then reduce (a masked mean is that sum over mask.sum()); or take a fixed number "
+                 "of elements with torch.topk or torch.gather")
+
+
 @lowering(aten.index.Tensor)
 def index(ctx, x, indices):
-    """Integer advanced indexing. (Boolean masks never reach here: torch.export gives ``x[mask]``
-    a data-dependent shape, which compilation rejects before lowering.)"""
+    """Integer advanced indexing (compilation rejects boolean masks before tracing; a mask can
+    still arrive here from a graph evaluated without that check)."""
+    if any(_is_mask(i) for i in indices):
+        raise boolean_mask_error(ctx.location())
     return x[_integer_index(indices)]
 
 
