@@ -19,7 +19,7 @@ def memory_chart(memory: list[dict], capacity: int) -> str:
     shows_capacity = fullest >= 0.05 * capacity
     scale = max(fullest, capacity if shows_capacity else 0, 1) * 1.05
     height = len(memory) * (_BAR + _GAP) + 30
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_LEFT + _WIDTH + 160}" height="{height}" '
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_LEFT + _WIDTH + 280}" height="{height}" '
              f'role="img" aria-label="memory per IPU">']
     for row, usage in enumerate(memory):
         y = 10 + row * (_BAR + _GAP)
@@ -46,8 +46,11 @@ def memory_chart(memory: list[dict], capacity: int) -> str:
 
 
 def _stage_rows(stages: list[dict]) -> list[list]:
-    return [[s["stage"], s["ipu"], name, count(costs["flops"]), size(costs["bytes_accessed"]), costs["hlo_ops"],
-             s["aten_ops"]] for s in stages for name, costs in s["programs"].items()]
+    """One row per compiled program; the stage's ATen operation count on its first row."""
+    return [[s["stage"], s["ipu"], s["aten_ops"] if first else "", name, count(costs["flops"]),
+             size(costs["bytes_accessed"]), costs["hlo_ops"]]
+            for s in stages for first, (name, costs) in zip([True] + [False] * len(s["programs"]),
+                                                             s["programs"].items())]
 
 
 def _top_ops(stage: dict, limit: int = 12) -> str:
@@ -59,7 +62,7 @@ def render(name: str, report: dict, index: int) -> str:
     schedule, spec = report["schedule"], report["ipu_spec"]
     seconds = report["compile_seconds"]
     facts = table(None, [
-        ["model", f"{name} ({report['kind']})"],
+        ["model", name if name == report["kind"] else f"{name} ({report['kind']})"],
         ["execution", f"{schedule['execution']}: {schedule['stages']} stage(s) on {schedule['ipus_per_replica']} "
                       f"IPU(s) × {schedule['replicas']} replica(s)"],
         ["schedule", f"{schedule['device_iterations']} device iteration(s) × {schedule['gradient_accumulation']} "
@@ -71,10 +74,9 @@ def render(name: str, report: dict, index: int) -> str:
                     size(u["offloaded_to_host"]), size(u["total"]), percent(u["fraction"])] for u in report["memory"]]
     return (f"<h2>Program {index}</h2>{facts}"
             f"<h2>Memory per IPU (one replica)</h2>{memory_chart(report['memory'], spec['memory_bytes'])}"
-            + table(["IPU", "stages", *(_LABELS[k] for k in MEMORY_KINDS), "offloaded to host", "total",
-                     "of capacity"], memory_rows)
+            + table(["IPU", "stages", *MEMORY_KINDS, "on the host", "total", "of capacity"], memory_rows)
             + "<h2>Stages</h2>"
-            + table(["stage", "IPU", "program", "FLOPs", "bytes accessed", "HLO ops", "ATen ops"],
+            + table(["stage", "IPU", "ATen ops", "program", "FLOPs", "bytes accessed", "HLO ops"],
                     _stage_rows(report["stages"]))
             + f'<p class="note">{escape(report["flops_note"])}</p>'
             + "".join(_top_ops(s) for s in report["stages"]))

@@ -18,7 +18,7 @@ class Call:
     """Wall-clock marks of one call (``time.perf_counter`` seconds)."""
 
     program: int
-    start: float          # the host starts moving the inputs (after any compilation)
+    start: float          # the call starts (after any compilation): host-side preparation, inputs moved
     inputs: float         # the inputs are on the emulated IPUs
     computed: float       # the program has finished
     finished: float       # the outputs are on the host
