@@ -1,6 +1,8 @@
 """The compile report's figures for one compiled program: its schedule, per-IPU memory against
 the IPU's capacity, and per stage its FLOPs and operation counts."""
 
+import math
+
 import jax
 from jax.sharding import NamedSharding
 
@@ -55,13 +57,9 @@ def _mesh_size(call_args: tuple) -> int:
     return meshes[0].size if meshes else 1
 
 
-def _ipu_spec(options):
-    return in_force(options)[0]
-
-
 def describe(executor, compiled, call_args: tuple, compile_seconds: float | None, training: bool) -> dict:
     """The figures of ``compiled`` (an executor's program), first called with ``call_args``."""
-    call, spec = compiled.call, _ipu_spec(executor.options)
+    call, spec = compiled.call, in_force(executor.options)[0]
     inputs = call_args[1]
     if isinstance(call, MultiIpuProgram):
         stages = [_stage(s.plan.index, s.plan.ipu, s.plan.nodes, s.programs) for s in call.stages]
@@ -72,8 +70,7 @@ def describe(executor, compiled, call_args: tuple, compile_seconds: float | None
         usage = single_ipu_usage(compiled.executable, call_args[0],
                                  executor._schedule().replicas // _mesh_size(call_args))
     schedule = _schedule(executor, compiled, training)
-    samples = int(inputs[0].shape[0] * inputs[0].shape[1] * inputs[0].shape[2] * inputs[0].shape[3]) \
-        if inputs and inputs[0].ndim >= 4 else None
+    samples = math.prod(inputs[0].shape[:4]) if inputs else None       # [D, A, R, m, ...]
     return {
         "kind": "training" if training else "inference",
         "compile_seconds": compile_seconds,
@@ -83,5 +80,4 @@ def describe(executor, compiled, call_args: tuple, compile_seconds: float | None
                    for u in usage],
         "stages": stages,
         "flops_note": FLOPS_NOTE,
-        "jax_backend": jax.default_backend(),
     }
