@@ -21,6 +21,11 @@ _NORM_EPS = 1e-6
 ALGORITHMS = ("norm", "value")
 
 
+def norm_coefficient(max_norm, total_norm):
+    """What ``clip_grad_norm_`` multiplies every gradient by, given their global 2-norm."""
+    return jnp.minimum(max_norm / (total_norm + _NORM_EPS), 1.0)
+
+
 @dataclass(frozen=True)
 class GradientClipping:
     """Clip the optimizer's gradients to ``value``: by their global 2-norm, or element-wise."""
@@ -45,7 +50,7 @@ class GradientClipping:
                 clipped[name] = jnp.clip(grads[name], -self.value, self.value)
             return clipped
         total = jnp.sqrt(sum(jnp.sum(jnp.square(grads[name].astype(jnp.float32))) for name in names))
-        coefficient = jnp.minimum(self.value / (total + _NORM_EPS), 1.0)
+        coefficient = norm_coefficient(self.value, total)
         for name in names:
             clipped[name] = (grads[name] * coefficient).astype(grads[name].dtype)
         return clipped

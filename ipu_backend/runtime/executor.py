@@ -19,7 +19,8 @@ from ipu_backend.compiler.metric_states import TOTAL_SUFFIX
 from ipu_backend.enums import OutputMode, ReductionType
 from ipu_backend.errors import Error
 from ipu_backend.profiling import recorder_for
-from ipu_backend.runtime import compilation_cache
+from ipu_backend.profiling.memory_usage import single_ipu_usage
+from ipu_backend.runtime import compilation_cache, memory
 from ipu_backend.runtime.devices import replica_mesh
 from ipu_backend.runtime.optimizers import optimizer_rule
 from ipu_backend.runtime.outputs import inputs_to_device, output_to_host
@@ -40,9 +41,12 @@ _OUTPUT_MODES = {OutputMode.All: "all", OutputMode.Final: "final", OutputMode.Su
 class _Compiled:
     """One compiled call and what the host needs to use it."""
 
-    def __init__(self, call, program, layout, output_dtypes, log_dtypes, rule=None):
+    def __init__(self, call, program, layout, output_dtypes, log_dtypes, rule=None, multi_ipu=False):
         self.call, self.program, self.layout = call, program, layout
         self.output_dtypes, self.log_dtypes, self.rule = output_dtypes, log_dtypes, rule
+        self.multi_ipu = multi_ipu
+        """A model split over IPUs: its program places weights and inputs on each stage's IPUs
+        itself (one copy, from wherever they are), and checked its memory when built."""
         self.executable = None            # XLA executable, compiled ahead of the first call
         self.started = time.perf_counter()
 
@@ -329,23 +333,29 @@ class PoplarExecutor:
         """What the compiled call takes: device state, the combined batch on the mesh, the
         optimizer's current hyper-parameters (training) and this call's random key."""
         schedule = self._schedule()
-        mesh = replica_mesh(schedule.replicas)
+        mesh = None if compiled.multi_ipu else replica_mesh(schedule.replicas)
         inputs = inputs_to_device(args, schedule, mesh)
         key = jax.random.fold_in(self._base_key(), self._next_call_index() if advance else 0)
         params, buffers = self._store.device_state()
-        replicated = NamedSharding(mesh, P())
-        if not self._training:
-            return jax.device_put({"params": params, "buffers": buffers}, replicated), inputs, key
-        hyper = compiled.rule.hyperparameters(self._optimizer)
-        state = {"params": params, "buffers": buffers, "opt": self._optimizer_state(compiled.rule, params),
-                 "scaler": self._scaler_state(compiled.rule, hyper)}
-        return jax.device_put(state, replicated), inputs, hyper, key
+        state = {"params": params, "buffers": buffers}
+        if self._training:
+            hyper = compiled.rule.hyperparameters(self._optimizer)
+            state.update(opt=self._optimizer_state(compiled.rule, params),
+                         scaler=self._scaler_state(compiled.rule, hyper))
+        if mesh is not None:
+            state = jax.device_put(state, NamedSharding(mesh, P()))
+        return (state, inputs, hyper, key) if self._training else (state, inputs, key)
 
     def _ensure_executable(self, compiled: _Compiled, call_args: tuple) -> None:
         """Lower and compile ahead of time, once, and say how long capture and compilation took."""
         if compiled.executable is not None:
             return
-        compiled.executable = compiled.call.lower(*call_args).compile()
+        executable = compiled.call.lower(*call_args).compile()
+        if not compiled.multi_ipu:
+            replicas = self._schedule().replicas
+            usage = single_ipu_usage(executable, call_args[0], replicas // replica_mesh(replicas).size)
+            memory.check(usage, *memory.in_force(self._options))
+        compiled.executable = executable
         self._profiler.compiled(self, compiled, call_args)
         logger.info("compiled the %s program in %.2f s", "training" if self._training else "inference",
                     time.perf_counter() - compiled.started)
@@ -370,13 +380,10 @@ class PoplarExecutor:
         totals = {call.name: call.state.reduction for call in program.logs if call.state is not None}
         log_dtypes.update({name + TOTAL_SUFFIX: log_dtypes[name] for name in totals})
         if has_blocks(program.graph_module):        # split over IPUs: runtime/pipeline.py
-            if self._gradient_clipping is not None:
-                raise Error("gradient clipping is not supported with a model split over IPUs "
-                            "(blocks) yet")
             from ipu_backend.runtime.pipeline import build_for
             multi = build_for(self, micro, schedule, program)
             if multi is not None:
-                return _Compiled(multi, program, multi.layout, dtypes, log_dtypes, multi.rule)
+                return _Compiled(multi, program, multi.layout, dtypes, log_dtypes, multi.rule, multi_ipu=True)
         if self._training:
             rule = optimizer_rule(self._optimizer, {id(p): n for n, p in
                                                     torch.nn.Module.named_parameters(model)})

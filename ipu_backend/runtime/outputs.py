@@ -12,13 +12,16 @@ from ipu_backend.runtime.step import REPLICA, Schedule, split_batch
 
 
 def inputs_to_device(args: tuple, schedule: Schedule, mesh) -> list:
-    """The tensor leaves of ``args``, split to ``[D, A, R, m, ...]`` and sharded on the replica axis."""
-    sharding = NamedSharding(mesh, P(None, None, REPLICA))
+    """The tensor leaves of ``args``, split to ``[D, A, R, m, ...]`` and sharded on the replica
+    axis of ``mesh``; left on the host when ``mesh`` is None (a multi-IPU program sends each to
+    the stages reading it)."""
+    sharding = None if mesh is None else NamedSharding(mesh, P(None, None, REPLICA))
 
     def place(x):
         host = np.asarray(to_jax(x)) if x.dtype == torch.bfloat16 else \
             x.detach().cpu().numpy().astype(jax_dtype(x.dtype), copy=False)
-        return jax.device_put(split_batch(host, schedule), sharding)
+        split = split_batch(host, schedule)
+        return split if sharding is None else jax.device_put(split, sharding)
 
     return [place(x) for x in torch.utils._pytree.tree_leaves(tuple(args)) if isinstance(x, torch.Tensor)]
 

@@ -49,6 +49,7 @@ from ipu_backend.compiler.dtypes import jax_dtype
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX
 from ipu_backend.errors import Error
 from ipu_backend.runtime import memory
+from ipu_backend.runtime.clipping import GradientClipping, norm_coefficient
 from ipu_backend.runtime.stages import (
     Partition,
     StagePlan,
@@ -57,7 +58,15 @@ from ipu_backend.runtime.stages import (
     sources_from_export,
     sources_from_program,
 )
-from ipu_backend.runtime.step import SCALER_GROWTH_INTERVAL, REPLICA, OutputLayout, Schedule, initial_scaler
+from ipu_backend.runtime.step import (
+    REPLICA,
+    SCALER_GROWTH_INTERVAL,
+    OutputLayout,
+    Schedule,
+    initial_scaler,
+    master_copy,
+    optimizer_update,
+)
 
 _RECOMPUTE_STAGES = (3, 4)      # PopART RecomputationType.Pipeline and RecomputeAll
 _RECOMPUTE_STANDARD = 1         # RecomputationType.Standard: keep matrix products, recompute the rest
@@ -177,6 +186,14 @@ class _Settings:
     recompute: int                  # 0: off, RecomputationType value otherwise
     offload: bool
     stages: int
+    clipping: GradientClipping | None = None    # Lightning's gradient_clip_val
+    clip_max_grad_norm: bool = False            # the optimizer's max_grad_norm is finite
+    half_params: tuple[str, ...] = ()           # the model's half-precision weights (rounding keys)
+
+    @property
+    def global_norm(self) -> bool:
+        """Whether the update needs the 2-norm of every stage's gradients together."""
+        return self.clip_max_grad_norm or (self.clipping is not None and self.clipping.algorithm == "norm")
 
 
 class _Stage:
@@ -201,14 +218,18 @@ class _Stage:
         if self.has_loss:
             self.loss_dtype = _aval(part.array_outputs[settings.loss_index]).dtype
         self.param_avals = {n: jax.ShapeDtypeStruct(params[n].shape, params[n].dtype) for n in plan.params}
+        self.owned_avals = {n: self.param_avals[n] for n in plan.owned}
         self.buffer_avals = {n: jax.ShapeDtypeStruct(buffers[n].shape, buffers[n].dtype) for n in plan.buffers}
         self.input_avals = {i: input_avals[i] for i in plan.inputs if i in input_avals}
         self.static_inputs = {i: static_inputs[i] for i in plan.inputs if i in static_inputs}
-        self.rule = None if rule is None else _stage_rule(rule, set(plan.params))
+        self.rule = None if rule is None else _stage_rule(rule, set(plan.owned))
         self._treedef = None
         self._indices: list[jax.Array] = []
         self.weight_only = None
         self.stash_avals = None
+        self.lenders = {n: readers for n in plan.owned
+                        if (readers := tuple(s.index for s in part.stages if n in s.borrowed))}
+        """Tied weights this stage owns → the other stages reading them (whose gradients it adds)."""
 
     # --- the stage function --------------------------------------------------------------------
     def _micro(self, inputs, key, d, a):
@@ -309,31 +330,64 @@ class _Stage:
         sent, outputs, new_buffers = self._run(params, buffers, _squeeze(received), micro, key)
         return _expand(sent), _expand(outputs), self._replica_zero(new_buffers)
 
-    def _gradients(self, acc, loss_scale):
-        """The step's gradients of the unscaled loss: summed over replicas, averaged as asked."""
+    def _gradients(self, acc, lent, loss_scale, names):
+        """The step's gradients of the unscaled loss for ``names``: a tied weight's from every
+        stage reading it (``lent``: the other stages' accumulators), summed over replicas,
+        averaged as asked."""
         schedule = self.settings.schedule
         scale_sum = schedule.accumulation * schedule.replicas if schedule.mean_reduction else 1
-        return {n: jax.lax.psum(g[0], REPLICA) / (scale_sum * loss_scale) for n, g in acc.items()}
+        return {n: jax.lax.psum((acc[n] + sum(lent.get(n, ())))[0], REPLICA) / (scale_sum * loss_scale)
+                for n in names}
 
-    def _update_body(self, params, opt, acc, hyper):
-        grads = self._gradients(acc, self.rule.loss_scale(hyper))
-        new_params, new_opt = self.rule.update(grads, opt, params, hyper)
-        return new_params, new_opt, jax.tree.map(jnp.zeros_like, acc)
+    def _value_clipped(self, grads):
+        clipping = self.settings.clipping
+        if clipping is None or clipping.algorithm != "value":
+            return grads
+        return clipping(grads, self.rule.names)
+
+    def _norm_body(self, acc, lent, scaler):
+        """The squared 2-norm of the gradients this stage updates (after clipping by value):
+        every stage's together give the global norm that clipping by norm needs."""
+        grads = self._value_clipped(self._gradients(acc, lent, scaler["scale"], self.plan.owned))
+        return sum((jnp.sum(jnp.square(grads[n].astype(jnp.float32))) for n in self.rule.names),
+                   jnp.zeros((), jnp.float32))
+
+    def _clipped(self, grads, norms, hyper):
+        """Gradient clipping as on one IPU (Lightning's first, then the optimizer's
+        max_grad_norm), by the norm over every stage's gradients."""
+        grads = self._value_clipped(grads)
+        if not self.settings.global_norm:
+            return grads
+        total = jnp.sqrt(sum(norms))
+        factor = jnp.ones((), jnp.float32)
+        clipping = self.settings.clipping
+        if clipping is not None and clipping.algorithm == "norm":
+            factor = norm_coefficient(clipping.value, total)
+        if self.settings.clip_max_grad_norm:
+            factor = factor * norm_coefficient(hyper["max_grad_norm"], total * factor)
+        return {n: (g * factor).astype(g.dtype) if n in self.rule.names else g for n, g in grads.items()}
+
+    def _update_body(self, params, opt, acc, hyper, key, d, scaler, finites, norms, lent):
+        """The optimizer step of the parameters this stage owns. Clipping by norm has been done
+        (over every stage) when the rule sees the gradients, so its own max_grad_norm is off;
+        the random key is the single-IPU step's (stochastic rounding). With dynamic loss scaling,
+        every stage skips the step when any stage's gradients overflowed."""
+        schedule = self.settings.schedule
+        grads = self._clipped(self._gradients(acc, lent, scaler["scale"], self.plan.owned), norms, hyper)
+        key = jax.random.fold_in(jax.random.fold_in(key, d), schedule.accumulation)
+        new_params, new_opt = optimizer_update(self.rule, grads, opt, params, {**hyper, "max_grad_norm": jnp.inf},
+                                               key, schedule, self.settings.half_params)
+        if schedule.dynamic_loss_scaling:
+            finite = jnp.all(jnp.stack(finites))
+            new_params, new_opt = jax.tree.map(lambda n, o: jnp.where(finite, n, o), (new_params, new_opt),
+                                               (params, opt))
+            scaler = _next_scaler(scaler, finite)
+        return new_params, new_opt, jax.tree.map(jnp.zeros_like, acc), scaler
 
     def _finite_body(self, acc, scaler):
         """Whether this stage's gradients are finite (dynamic loss scaling)."""
-        grads = self._gradients(acc, scaler["scale"])
+        grads = self._gradients(acc, {}, scaler["scale"], acc)
         return jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads.values()] or [jnp.bool_(True)]))
-
-    def _scaled_update_body(self, params, opt, acc, hyper, scaler, finites):
-        """Dynamic loss scaling: every stage skips the step when any stage's gradients
-        overflowed, and the scale follows the single-IPU step's rule."""
-        grads = self._gradients(acc, scaler["scale"])
-        new_params, new_opt = self.rule.update(grads, opt, params, hyper)
-        finite = jnp.all(jnp.stack(finites))
-        new_params, new_opt = jax.tree.map(lambda n, o: jnp.where(finite, n, o), (new_params, new_opt),
-                                           (params, opt))
-        return new_params, new_opt, jax.tree.map(jnp.zeros_like, acc), _next_scaler(scaler, finite)
 
     def _accumulate(self, acc, grads):
         return {n: acc[n] + grads[n].astype(acc[n].dtype)[None] for n in acc}
@@ -396,20 +450,33 @@ class _Stage:
             self.programs["backward"] = self._spmd(
                 self._backward_body, (P(REPLICA), P(), P(REPLICA), P(REPLICA), P()),
                 (P(REPLICA), P(REPLICA)), (0,), (acc, params, stash, cotangents, scale))
-        opt = self._on(jax.eval_shape(self.rule.init, self.param_avals), self.opt_sharding)
-        if self.settings.schedule.dynamic_loss_scaling:
-            scaler = self._on(jax.eval_shape(initial_scaler), self.rep)
-            finites = [jax.ShapeDtypeStruct((), jnp.bool_, sharding=self.rep)] * self.settings.stages
+        owned = self._on(self.owned_avals, self.rep)
+        opt = self._on(self.opt_avals(), self.opt_sharding)
+        dynamic = self.settings.schedule.dynamic_loss_scaling
+        scaler = self._on(jax.eval_shape(initial_scaler) if dynamic else {"scale": scale}, self.rep)
+        stages = self.settings.stages
+        finites = [jax.ShapeDtypeStruct((), jnp.bool_, sharding=self.rep)] * (stages if dynamic else 0)
+        norms = [jax.ShapeDtypeStruct((), jnp.float32, sharding=self.rep)] * (
+            stages if self.settings.global_norm else 0)
+        lent = {n: [acc[n]] * len(lenders) for n, lenders in self.lenders.items()}
+        if dynamic:
             self.programs["finite"] = self._spmd(self._finite_body, (P(REPLICA), P()), P(), (), (acc, scaler))
-            self.programs["update"] = self._update_program(
-                self._scaled_update_body, (P(), P(), P(REPLICA), P(), P(), P()),
-                (P(), P(), P(REPLICA), P()), (self.rep, self.opt_sharding, self.data, self.rep),
-                (params, opt, acc, hyper, scaler, finites))
-        else:
-            self.programs["update"] = self._update_program(
-                self._update_body, (P(), P(), P(REPLICA), P()), (P(), P(), P(REPLICA)),
-                (self.rep, self.opt_sharding, self.data), (params, opt, acc, hyper))
+        if self.settings.global_norm:
+            self.programs["norm"] = self._spmd(self._norm_body, (P(REPLICA), P(REPLICA), P()), P(), (),
+                                               (acc, lent, scaler))
+        self.programs["update"] = self._update_program(
+            self._update_body, (P(), P(), P(REPLICA), P(), P(), P(), P(), P(), P(), P(REPLICA)),
+            (P(), P(), P(REPLICA), P()), (self.rep, self.opt_sharding, self.data, self.rep),
+            (owned, opt, acc, hyper, key, index, scaler, finites, norms, lent))
         return {name: _temporaries(p) for name, p in self.programs.items()}
+
+    def opt_avals(self) -> dict:
+        """The optimizer state of the parameters this stage owns (and their float32 master
+        copies, with master weights)."""
+        state = jax.eval_shape(self.rule.init, self.owned_avals)
+        if not self.settings.schedule.master_weights:
+            return state
+        return {"rule": state, "master": jax.eval_shape(master_copy, self.owned_avals)}
 
     def _update_program(self, body, in_specs, out_specs, out_shardings, args):
         mapped = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
@@ -462,9 +529,9 @@ class MultiIpuProgram:
         self._metric_states = metric_states
         self._owner = {}
         for stage in stages:
-            self._owner.update((n, stage) for n in stage.plan.params + stage.plan.buffers)
-        self.placement = {n: stage.plan.ipu for stage in stages for n in stage.plan.params}
-        """Parameter name → IPU."""
+            self._owner.update((n, stage) for n in stage.plan.owned + stage.plan.buffers)
+        self.placement = {n: stage.plan.ipu for stage in stages for n in stage.plan.owned}
+        """Parameter name → IPU (of the stage updating it, for a tied weight)."""
 
     def lower(self, *args) -> "MultiIpuProgram":
         return self
@@ -491,9 +558,37 @@ class MultiIpuProgram:
         shardings = {"params": {n: self._stage_of(n).rep for n in state["params"]},
                      "buffers": {n: self._stage_of(n).rep for n in state["buffers"]}}
         if "opt" in state:
-            shardings["opt"] = {n: self._stage_of(n).opt_sharding for n in state["opt"]}
+            shardings["opt"] = jax.tree.map(lambda n: self._stage_of(n).opt_sharding, self._opt_names(state["opt"]))
             shardings["scaler"] = None
         return jax.device_put(state, shardings)
+
+    def _opt_names(self, opt: dict):
+        """The optimizer state's structure down to parameter names (state of a parameter, or its
+        master copy, goes where the parameter goes)."""
+        if self.settings.schedule.master_weights:
+            return {"rule": {n: n for n in opt["rule"]}, "master": {n: n for n in opt["master"]}}
+        return {n: n for n in opt}
+
+    def _stage_opt(self, opt: dict, stage: "_Stage") -> dict:
+        def pick(tree):
+            return {n: tree[n] for n in stage.plan.owned if n in tree}
+
+        if self.settings.schedule.master_weights:
+            return {"rule": pick(opt["rule"]), "master": pick(opt["master"])}
+        return pick(opt)
+
+    def _merged_opt(self, opts: list) -> dict:
+        if self.settings.schedule.master_weights:
+            return {"rule": _merge(o["rule"] for o in opts), "master": _merge(o["master"] for o in opts)}
+        return _merge(opts)
+
+    def _stage_params(self, state: dict) -> list[dict]:
+        """Each stage's parameters on its devices: a tied weight's copy too."""
+        return [{n: state["params"][n] if n not in s.plan.borrowed else jax.device_put(state["params"][n], s.rep)
+                 for n in s.plan.params} for s in self.stages]
+
+    def _owned_params(self, params: list[dict]) -> dict:
+        return _merge({n: p[n] for n in s.plan.owned} for s, p in zip(self.stages, params))
 
     def _user_inputs(self, inputs: list) -> list[dict]:
         """The executor's tensor inputs (``[D, A, R, m, ...]`` each) on the stages reading them."""
@@ -532,9 +627,9 @@ class MultiIpuProgram:
     # --- training ----------------------------------------------------------------------------
     def _train(self, state, inputs, hyper, key):
         schedule, stages = self.settings.schedule, self.stages
-        params = [{n: state["params"][n] for n in s.plan.params} for s in stages]
+        params = self._stage_params(state)
         buffers = [{n: state["buffers"][n] for n in s.plan.buffers} for s in stages]
-        opt = [{n: state["opt"][n] for n in s.plan.params if n in state["opt"]} for s in stages]
+        opt = [self._stage_opt(state["opt"], s) for s in stages]
         user = self._user_inputs(inputs)
         keys = [jax.device_put(key, s.rep) for s in stages]
         hypers = [jax.device_put(hyper, s.rep) for s in stages]
@@ -568,18 +663,31 @@ class MultiIpuProgram:
                     continue
                 if outputs and self._wanted(d, m, schedule.accumulation):
                     collected.setdefault((d, m), {}).update(outputs)
-            if dynamic:
-                finite = [stage.programs["finite"](accs[k], scalers[k]) for k, stage in enumerate(stages)]
-                for k, stage in enumerate(stages):
-                    params[k], opt[k], accs[k], scalers[k] = stage.programs["update"](
-                        params[k], opt[k], accs[k], hypers[k], scalers[k],
-                        [jax.device_put(f, stage.rep) for f in finite])
-            else:
-                for k, stage in enumerate(stages):
-                    params[k], opt[k], accs[k] = stage.programs["update"](params[k], opt[k], accs[k], hypers[k])
-        new_state = {"params": _merge(params), "buffers": _merge(buffers), "opt": _merge(opt),
-                     "scaler": scalers[0] if dynamic else state["scaler"]}
+            self._update(params, opt, accs, hypers, keys, scalers, d)
+        new_state = {"params": self._owned_params(params), "buffers": _merge(buffers),
+                     "opt": self._merged_opt(opt), "scaler": scalers[0] if dynamic else state["scaler"]}
         return new_state, self._gather_outputs(collected)
+
+    def _update(self, params, opt, accs, hypers, keys, scalers, d: int) -> None:
+        """Every stage's optimizer step, in place of the lists it is given. A stage owning a tied
+        weight receives the other stages' gradients of it first and sends them the new value after;
+        the stages exchange what their updates need of each other (whether all gradients are
+        finite, their squared norms) as scalars."""
+        stages = self.stages
+        lent = [{n: [jax.device_put(accs[j][n], s.data) for j in lenders] for n, lenders in s.lenders.items()}
+                for s in stages]
+        finites = [s.programs["finite"](accs[k], scalers[k]) for k, s in enumerate(stages) if "finite" in s.programs]
+        norms = [s.programs["norm"](accs[k], lent[k], scalers[k]) for k, s in enumerate(stages)
+                 if "norm" in s.programs]
+        for k, stage in enumerate(stages):
+            owned, opt[k], accs[k], scalers[k] = stage.programs["update"](
+                {n: params[k][n] for n in stage.plan.owned}, opt[k], accs[k], hypers[k], keys[k],
+                stage.index(d), scalers[k], [jax.device_put(f, stage.rep) for f in finites],
+                [jax.device_put(norm, stage.rep) for norm in norms], lent[k])
+            params[k].update(owned)
+        for k, stage in enumerate(stages):
+            for n in stage.plan.borrowed:
+                params[k][n] = jax.device_put(params[self._owner[n].plan.index][n], stage.rep)
 
     def _send(self, sent: dict, m: int, received) -> None:
         for name, value in sent.items():
@@ -594,7 +702,7 @@ class MultiIpuProgram:
     # --- inference ---------------------------------------------------------------------------
     def _infer(self, state, inputs, key):
         schedule, stages = self.settings.schedule, self.stages
-        params = [{n: state["params"][n] for n in s.plan.params} for s in stages]
+        params = self._stage_params(state)
         buffers = [{n: state["buffers"][n] for n in s.plan.buffers} for s in stages]
         user = self._user_inputs(inputs)
         keys = [jax.device_put(key, s.rep) for s in stages]
@@ -606,7 +714,7 @@ class MultiIpuProgram:
             self._send(sent, d, received)
             if outputs and self._wanted(d, 0, 1):
                 collected.setdefault((d, 0), {}).update(outputs)
-        return {"params": _merge(params), "buffers": _merge(buffers)}, self._gather_outputs(collected)
+        return {"params": self._owned_params(params), "buffers": _merge(buffers)}, self._gather_outputs(collected)
 
 
 _HOST_REDUCE = {"sum": np.sum, "max": np.max, "min": np.min}
@@ -687,16 +795,6 @@ def _recomputation(options) -> int:
     return int(getattr(value, "value", value))
 
 
-def _check_supported(options, hyper, training: bool) -> None:
-    if training and options.Precision.stochastic_rounding:
-        raise Error("stochastic rounding is not emulated for models split over several IPUs yet")
-    if training and options.Precision.master_weights:
-        raise Error("master weights are not emulated for models split over several IPUs yet")
-    if training and math.isfinite(float(hyper["max_grad_norm"])):
-        raise Error("max_grad_norm (gradient clipping over every parameter) is not emulated for "
-                    "models split over several IPUs yet")
-
-
 def build_for(executor, micro: tuple, schedule: Schedule, program) -> MultiIpuProgram | None:
     """The executor's multi-IPU program for a model with blocks (see :func:`build`)."""
     from ipu_backend.runtime.executor import find_loss
@@ -709,7 +807,7 @@ def build_for(executor, micro: tuple, schedule: Schedule, program) -> MultiIpuPr
         hyper = rule.hyperparameters(executor._optimizer)
         loss_index = find_loss(program, step_method=executor._step_method is not None)
     return build(model, program, micro, schedule, executor._options, training, rule, hyper, loss_index,
-                 executor._step_method)
+                 executor._step_method, executor._gradient_clipping)
 
 
 def _export(model, micro: tuple, training: bool, method: str | None):
@@ -724,11 +822,12 @@ def _export(model, micro: tuple, training: bool, method: str | None):
 
 def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, options, training: bool,
           rule=None, hyper=None, loss_index: int | None = None,
-          method: str | None = None) -> MultiIpuProgram | None:
+          method: str | None = None, clipping: GradientClipping | None = None) -> MultiIpuProgram | None:
     """The multi-IPU program of ``program``, the capture of ``model`` (or of its step ``method``)
     on the micro-batch ``micro``, or None when its blocks all run on IPU 0 in one stage (the
     single-IPU step then serves). Training needs the optimizer's ``rule``, its current
-    ``hyper``-parameters (for their shapes) and the index of the loss among the array results."""
+    ``hyper``-parameters (for their shapes), the index of the loss among the array results and
+    the gradient ``clipping`` (Lightning's) applied before each update, if any."""
     strategy = _strategy(options)
     prefix = "" if method is None else "module."
     sources = sources_from_program(program, prefix)
@@ -740,7 +839,6 @@ def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, opt
     if len(part.stages) == 1 and part.stages[0].ipu == 0:
         return None
     pipelined = not isinstance(strategy, ShardedExecution)
-    _check_supported(options, hyper, training)
     _check_metric_states(program, schedule)
     _check_stage_counts(part, schedule, training, pipelined)
     check_ipu_count(part.num_ipus * schedule.replicas, options.auto_round_num_ipus)
@@ -748,7 +846,10 @@ def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, opt
     settings = _Settings(training=training, pipelined=pipelined, schedule=schedule, loss_index=loss_index,
                          recompute=_recomputation(options) if training else 0,
                          offload=training and not options.TensorLocations.optimizer_on_chip,
-                         stages=len(part.stages))
+                         stages=len(part.stages), clipping=clipping if training else None,
+                         clip_max_grad_norm=training and math.isfinite(float(hyper["max_grad_norm"])),
+                         half_params=tuple(sorted(n for n, p in torch.nn.Module.named_parameters(model)
+                                                  if p.dtype in (torch.float16, torch.bfloat16))))
 
     leaves = torch_pytree.tree_leaves(tuple(micro))
     input_avals = {i: jax.ShapeDtypeStruct((schedule.device_iterations, schedule.accumulation,
@@ -769,13 +870,13 @@ def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, opt
         usage.append(memory.StageMemory(
             stage=stage.plan.index, ipu=stage.plan.ipu,
             weights=_bytes(stage.param_avals) + _bytes(stage.buffer_avals),
-            optimizer=_bytes(jax.eval_shape(stage.rule.init, stage.param_avals)) if training else 0,
+            optimizer=_bytes(stage.opt_avals()) if training else 0,
             accumulators=_bytes(stage.zero_accumulator_avals()) if training else 0,
             stash_per_micro_batch=stage.stash_bytes(),
             stashed_micro_batches=stashed_micro_batches(stage.plan.index, len(stages), pipelined) if training else 0,
             temporaries=max(temporaries.values(), default=0), optimizer_offloaded=settings.offload))
     usage = memory.estimate(usage)
-    memory.check(usage, strategy.ipu_spec, strategy.memory_check)
+    memory.check(usage, *memory.in_force(options))
     # A step method's outputs are (result, logged values): the layout is the result's.
     result_spec = part.out_spec if method is None else part.out_spec.child(0)
     layout = OutputLayout()

@@ -39,13 +39,19 @@ class StagePlan:
     index: int
     ipu: int
     nodes: tuple[torch.fx.Node, ...]
-    params: tuple[str, ...]
+    params: tuple[str, ...]           # every parameter it reads
+    borrowed: tuple[str, ...]         # those of ``params`` another stage owns (tied weights)
     buffers: tuple[str, ...]
     mutated: tuple[str, ...]          # buffers whose new value this stage computes
     inputs: tuple[int, ...]           # indices of the flattened user inputs it reads
     received: tuple[str, ...]         # values of earlier stages it reads
     sent: tuple[str, ...]             # values later stages read
     outputs: tuple[int, ...]          # indices, among the model's array outputs, it produces
+
+    @property
+    def owned(self) -> tuple[str, ...]:
+        """The parameters this stage updates: all it reads but the borrowed ones."""
+        return tuple(n for n in self.params if n not in self.borrowed)
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,8 @@ class Partition:
         return [leaf for leaf in self.output_leaves if isinstance(leaf, torch.fx.Node)]
 
     def stage_of_param(self) -> dict[str, int]:
-        return {name: stage.index for stage in self.stages for name in stage.params}
+        """Parameter name → the stage owning it (updating it, for a tied weight)."""
+        return {name: stage.index for stage in self.stages for name in stage.owned}
 
 
 def _where(node: torch.fx.Node) -> str:
@@ -203,19 +210,25 @@ def partition(graph_module: torch.fx.GraphModule, sources: Mapping[str, tuple], 
                 stages.append(producer.get(node.name, last))
         return stages
 
-    owned = {i: {"params": [], "buffers": [], "inputs": [], "mutated": []} for i in range(num_stages)}
+    owned = {i: {"params": [], "borrowed": [], "buffers": [], "inputs": [], "mutated": []}
+             for i in range(num_stages)}
     for node in placeholders:
         kind, value = sources[node.name]
         stages = sorted(set(user_stages(node)))
         if kind in ("param", "buffer"):
-            if len(stages) > 1:
-                raise Error(f"the {'parameter' if kind == 'param' else 'buffer'} {value} is used by "
-                            f"stages {stages}; each parameter and buffer must be used by one stage "
-                            "only: move all its uses into one block, or into blocks of one stage")
+            if len(stages) > 1 and kind == "buffer":
+                raise Error(f"the buffer {value} is used by stages {stages}; each buffer must be used "
+                            "by one stage only: move all its uses into one block, or into blocks of "
+                            "one stage")
             if node in output_leaves:
                 raise Error(f"the model returns the {value} tensor itself; return a computed value "
                             "(for example a clone) instead")
-            owned[stages[0] if stages else 0]["params" if kind == "param" else "buffers"].append(value)
+            # A parameter several stages read (a tied weight) is owned by the first; the others
+            # hold a copy and send their gradient contributions to it.
+            for reader in stages or [0]:
+                owned[reader]["params" if kind == "param" else "buffers"].append(value)
+                if reader != (stages or [0])[0]:
+                    owned[reader]["borrowed"].append(value)
         elif kind == "input":
             for s in stages:
                 owned[s]["inputs"].append(value)
@@ -257,7 +270,8 @@ def partition(graph_module: torch.fx.GraphModule, sources: Mapping[str, tuple], 
                         if producer.get(leaf.name, last) == index)
         stages.append(StagePlan(
             index=index, ipu=ipu, nodes=stage_nodes,
-            params=tuple(owned[index]["params"]), buffers=tuple(owned[index]["buffers"]),
+            params=tuple(owned[index]["params"]), borrowed=tuple(owned[index]["borrowed"]),
+            buffers=tuple(owned[index]["buffers"]),
             mutated=tuple(owned[index]["mutated"]), inputs=tuple(sorted(owned[index]["inputs"])),
             received=tuple(received[index]), sent=tuple(sent[index]), outputs=outputs))
     ipus = {stage.ipu for stage in stages}

@@ -136,19 +136,22 @@ def _apply_if_finite(grads, scaler, new, old):
     return chosen, {"scale": scale, "good_steps": jnp.where(grow, 0, good)}
 
 
-def _update(rule, grads, opt_state, params, hyper, key, schedule: Schedule):
+def optimizer_update(rule, grads, opt_state, params, hyper, key, schedule: Schedule, rounded: tuple | None = None):
     """The optimizer step. Half-precision weights are updated in float32 — from their master
     copy (kept in the optimizer state) when master weights are on — and rounded back to their
-    dtype, stochastically when asked."""
+    dtype, stochastically when asked. ``key`` is split over ``rounded``, the names of the whole
+    model's half-precision weights (those of ``params`` by default), so a stage updating some of
+    them rounds each as the single-IPU step does."""
     if not (schedule.master_weights or schedule.stochastic_rounding):
         return rule.update(grads, opt_state, params, hyper)
     half = sorted(n for n, p in params.items() if p.dtype in (jnp.float16, jnp.bfloat16))
+    rounded = half if rounded is None else sorted(rounded)
     if schedule.master_weights:
         rule_state, wide = opt_state["rule"], {**params, **opt_state["master"]}
     else:
         rule_state, wide = opt_state, {**params, **{n: params[n].astype(jnp.float32) for n in half}}
     new_wide, rule_state = rule.update(grads, rule_state, wide, hyper)
-    keys = dict(zip(half, jax.random.split(key, max(1, len(half)))))
+    keys = dict(zip(rounded, jax.random.split(key, max(1, len(rounded)))))
     narrow = {n: stochastic_round(new_wide[n], params[n].dtype, keys[n]) if schedule.stochastic_rounding
               else new_wide[n].astype(params[n].dtype) for n in half}
     new_params = {**new_wide, **narrow}
@@ -211,7 +214,7 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
         indices = jnp.arange(schedule.accumulation)
         (grads_sum, buffers), ys = _loop(accumulate, (zeros, buffers), (inputs, indices), schedule.accumulation)
         grads = jax.tree.map(lambda g: jax.lax.psum(g, REPLICA) / (scale_sum * loss_scale), grads_sum)
-        new_params, new_opt_state = _update(rule, grads, opt_state, params, hyper,
+        new_params, new_opt_state = optimizer_update(rule, grads, opt_state, params, hyper,
                                             jax.random.fold_in(key, schedule.accumulation), schedule)
         if schedule.dynamic_loss_scaling:
             (new_params, new_opt_state), scaler = _apply_if_finite(

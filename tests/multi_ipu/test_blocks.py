@@ -143,16 +143,40 @@ def test_strategy_arguments_are_checked():
         poptorch.PipelinedExecution(memory_check="never")
 
 
-def test_a_parameter_used_by_two_stages_is_refused():
+def partitioned(model, args):
+    program = compile_module(model, args)
+    return partition(program.graph_module, sources_from_program(program), program.mutated_buffers,
+                     program.output_spec, poptorch.PipelinedExecution())
+
+
+def test_a_parameter_read_by_two_stages_is_owned_by_the_first_and_borrowed_by_the_other():
     class Tied(Chain):
         def forward(self, x):
             with poptorch.Block("A", ipu_id=0):
                 x = self.l0(x)
             with poptorch.Block("B", ipu_id=1):
-                return self.l0(x)
+                return self.l1(self.l0(x))
 
-    with pytest.raises(poptorch.Error, match="l0.weight is used by stages"):
-        layer_ipus(Tied())
+    first, second = partitioned(Tied(), (torch.randn(2, 4),)).stages
+    assert first.owned[:2] == ("l0.weight", "l0.bias") and first.borrowed == ()     # l2, l3 unused: stage 0
+    assert second.params == ("l0.weight", "l0.bias", "l1.weight", "l1.bias")
+    assert second.borrowed == ("l0.weight", "l0.bias") and second.owned == ("l1.weight", "l1.bias")
+
+
+def test_a_buffer_read_by_two_stages_is_refused():
+    class SharedBuffer(Chain):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.full((4,), 2.0))
+
+        def forward(self, x):
+            with poptorch.Block("A", ipu_id=0):
+                x = self.l0(x) * self.scale
+            with poptorch.Block("B", ipu_id=1):
+                return self.l1(x) * self.scale
+
+    with pytest.raises(poptorch.Error, match="the buffer scale is used by stages"):
+        partitioned(SharedBuffer(), (torch.randn(2, 4),))
 
 
 def training_options(accumulation, strategy=None):

@@ -3,12 +3,14 @@ numbers as plain torch (fp32: 1e-5 relative, 1e-6 absolute), measurably less sta
 with recomputation, optimizer state in host memory with offload, and the out-of-memory error."""
 
 import jax
+import jsonargparse
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import ipu_backend as poptorch
+from ipu_backend.runtime import memory
 from ipu_backend.runtime.pipeline import multi_ipu_program
 from ipu_backend.runtime.weights import weight_store
 from tests.multi_ipu.models import ATOL, RTOL, TwoStages, assert_same_parameters, regression_data, torch_training, twins
@@ -116,11 +118,13 @@ def test_offloaded_optimizer_state_lives_in_host_memory_with_unchanged_numbers()
                                        rtol=RTOL, atol=ATOL)
 
 
+TINY = poptorch.IpuSpec(memory_bytes=100, tiles=4, name="tiny")
+
+
 def test_a_model_too_large_for_the_ipu_raises_out_of_memory_or_warns():
-    spec = poptorch.IpuSpec(memory_bytes=100, tiles=4, name="tiny")
-    opts = poptorch.Options().deviceIterations(2)
+    spec = TINY
+    opts = poptorch.Options().deviceIterations(2).setIpuSpec(spec)
     opts.Training.gradientAccumulation(3)
-    opts.setExecutionStrategy(poptorch.PipelinedExecution("B1", "B2", ipu_spec=spec))
     with pytest.raises(poptorch.OutOfMemoryError) as error:
         poptorch.trainingModel(TwoStages(), opts).compile(*regression_data(24))
     message = str(error.value)
@@ -129,7 +133,68 @@ def test_a_model_too_large_for_the_ipu_raises_out_of_memory_or_warns():
     assert "IPU0 (stages 0): " in message and "weights 224 B" in message
     assert "IPU1 (stages 1): " in message and "weights 108 B" in message
     assert "more stages" in message and "autoRecomputation" in message and "useOnChipStorage(False)" in message
-    opts = opts.clone().setExecutionStrategy(poptorch.PipelinedExecution("B1", "B2", ipu_spec=spec,
-                                                                          memory_check="warn"))
-    with pytest.warns(UserWarning, match="Out of memory"):
+    # The same settings on the execution strategy (a setting left at its default gives way)
+    opts = poptorch.Options(device_iterations=2, gradient_accumulation=3).setExecutionStrategy(
+        poptorch.PipelinedExecution("B1", "B2", ipu_spec=spec, memory_check="warn"))
+    with pytest.warns(UserWarning, match="Out of memory on 2 of 2 IPU"):
         poptorch.trainingModel(TwoStages(), opts).compile(*regression_data(24))
+
+
+def test_ipu_spec_and_memory_check_set_in_both_places_must_agree():
+    opts = poptorch.Options(device_iterations=2, ipu_spec=TINY).setExecutionStrategy(
+        poptorch.PipelinedExecution("B1", "B2", ipu_spec=poptorch.IpuSpec(memory_bytes=10**6)))
+    with pytest.raises(poptorch.Error, match="ipu_spec is set both in Options .* and in the execution strategy"):
+        poptorch.inferenceModel(TwoStages(), opts).compile(regression_data(2)[0])
+    opts = poptorch.Options(memory_check="off").setExecutionStrategy(
+        poptorch.PipelinedExecution(memory_check="warn"))
+    with pytest.raises(poptorch.Error, match="memory_check is set both"):
+        memory.in_force(opts)
+    assert memory.in_force(poptorch.Options(memory_check="warn").setExecutionStrategy(
+        poptorch.PipelinedExecution(ipu_spec=TINY))) == (TINY, "warn")
+
+
+class Regression(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x, y=None):
+        out = self.fc(x)
+        return out if y is None else (out, F.mse_loss(out, y))
+
+
+def test_a_single_ipu_model_too_large_for_its_ipu_raises_out_of_memory_or_warns():
+    model = Regression()
+    with pytest.raises(poptorch.OutOfMemoryError, match=r"Out of memory on 1 of 1 IPU\(s\) \(tiny, 100 B each\)"
+                       r":\n  IPU0 \(stages 0\): .* weights 84 B") as error:
+        poptorch.trainingModel(model, poptorch.Options(ipu_spec=TINY)).compile(*regression_data(4))
+    assert "more stages" in str(error.value)
+    x = regression_data(4)[0]
+    with pytest.warns(UserWarning, match="Out of memory on 1 of 1 IPU"):
+        out = poptorch.inferenceModel(model, poptorch.Options(ipu_spec=TINY, memory_check="warn"))(x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=RTOL, atol=ATOL)
+
+
+def test_ipu_spec_and_memory_check_in_a_lightning_yaml_and_through_dict_and_clone():
+    parser = jsonargparse.ArgumentParser(exit_on_error=False)
+    parser.add_argument("--opts", type=poptorch.Options)
+    config = parser.parse_string("""
+opts:
+  class_path: ipu_backend.Options
+  init_args:
+    ipu_spec: {memory_bytes: 100, tiles: 4, name: tiny}
+    memory_check: warn
+""")
+    opts = parser.instantiate(config).opts
+    assert opts.ipu_spec == TINY and opts.memory_check == "warn"
+    assert opts == poptorch.Options().setIpuSpec(TINY).setMemoryCheck("warn")
+    assert poptorch.Options.from_dict(opts.toDict()) == opts == opts.clone()
+    assert opts.toDict()["ipu_spec"] == {"memory_bytes": 100, "tiles": 4, "name": "tiny"}
+    opts._freeze()
+    with pytest.raises(poptorch.Error, match="frozen"):
+        opts.setMemoryCheck("off")
+    with pytest.raises(poptorch.Error, match="memory_check must be one of error, warn, off"):
+        poptorch.Options(memory_check="never")
+    with pytest.raises(poptorch.Error, match="IpuSpec.memory_bytes must be a positive int"):
+        poptorch.Options(ipu_spec={"memory_bytes": -1})
