@@ -36,8 +36,9 @@ a message; argument checks (``validate_args``) are skipped inside the step.
 Manual optimization (``automatic_optimization = False``, any number of optimizers) is compiled
 whole by ``ipu_backend.runtime.manual``: the step's ``manual_backward``, ``zero_grad``,
 ``clip_gradients`` and ``optimizer.step()`` calls become one program, every ``optimizer.step()``
-counts in ``global_step`` as on the CPU, and schedulers the step steps are stepped on the host
-after each training step.
+counts in ``global_step`` as on the CPU, schedulers the step steps are stepped on the host
+between its training steps (each of a call's ``device_iterations`` steps gets its own learning
+rates), and ``16-mixed`` scales the losses as Lightning's ``MixedPrecision`` plugin does.
 
 Limits of a traced step: Python values (``self.current_epoch``, a branch on ``batch_idx``) are
 fixed when the step is captured, so ``batch_idx`` reaches a step that reads it as a one-element
@@ -254,8 +255,7 @@ class IPUStrategy(ParallelStrategy):
             options = ipu_backend.Options(
                 device_iterations=self.device_iterations, replication_factor=replicas,
                 gradient_accumulation=accumulation,
-                auto_loss_scaling=(training and isinstance(precision, IPUPrecision) and precision.loss_scaling
-                                   and self.lightning_module.automatic_optimization))
+                auto_loss_scaling=training and isinstance(precision, IPUPrecision) and precision.loss_scaling)
         if options.random_seed is None:
             with torch.random.fork_rng(devices=[]):       # Options.randomSeed also seeds torch
                 options.randomSeed(_default_seed())
@@ -412,7 +412,7 @@ class IPUStrategy(ParallelStrategy):
         if executor is None and method == "training_step" and not self.lightning_module.automatic_optimization:
             executor = self._executors[method] = ManualStepExecutor(
                 self.lightning_module, self._training_opts, self.optimizers, method,
-                self._manual_calls_recorded)
+                self._manual_calls_recorded, self._step_schedulers)
         if executor is None:
             training = method == "training_step"
             executor = PoplarExecutor(
@@ -471,16 +471,18 @@ class IPUStrategy(ParallelStrategy):
                     owner.__dict__[name] = value
 
     def _after_manual_step(self, events: tuple, iterations: int) -> None:
-        """What Lightning would have seen: each ``optimizer.step()`` counted (``global_step``), and
-        the schedulers the step stepped stepped on the host, once per training step run."""
+        """What Lightning would have seen: each ``optimizer.step()`` counted (``global_step``)."""
         steps = sum(isinstance(event, Step) for event in events)
         _lightning_hooks.count_extra_optimizer_steps(self._trainer, steps * iterations, iterations - 1)
+
+    def _step_schedulers(self, events: tuple) -> None:
+        """The schedulers one manual training step stepped, stepped on the host (the executor
+        calls this after reading each training step's learning rates)."""
         for optimizer in self.optimizers:
             optimizer._opt_called = True       # stepped on the IPUs (see IPUPrecision.optimizer_step)
-        for _ in range(iterations):
-            for event in events:
-                if isinstance(event, SchedulerStep):
-                    self.lr_scheduler_configs[event.scheduler].scheduler.step()
+        for event in events:
+            if isinstance(event, SchedulerStep):
+                self.lr_scheduler_configs[event.scheduler].scheduler.step()
 
     def _with_batch_index(self, method: str, args: tuple, factor: int) -> tuple:
         """``batch_idx`` as a constant 0 when the step never reads it (one program for every

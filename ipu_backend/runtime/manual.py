@@ -21,9 +21,21 @@ the gradients into the next version, and one last evaluation with every version 
 the step's results, ``self.log`` values and buffers. Every evaluation uses the same random key, so
 a dropout mask is the same in a loss and in the results.
 
+With ``Options.Training.auto_loss_scaling`` (Lightning's ``16-mixed``) the step runs as under
+Lightning's ``MixedPrecision`` plugin and torch's ``GradScaler``: each backward differentiates its
+loss times the current scale, gradients are kept scaled (so a ``clip`` in the step clips scaled
+gradients, as on the CPU), each ``step`` unscales its optimizer's gradients and is skipped when
+one is not finite, and the scale is then updated (halved after a skipped step, doubled after
+``SCALER_GROWTH_INTERVAL`` finite ones).
+
+With ``device_iterations`` > 1 one call runs that many training steps; the optimizers'
+hyper-parameters of each come from the host, where ``step_schedulers(events)`` (given by the
+caller) steps the schedulers the step steps between them, as Lightning would after each training
+step. A scheduler ``step()`` must therefore come after the step's optimizer steps.
+
 Not emulated: ``.grad`` carried from one training step into the next (each step starts with no
-gradients, as after ``zero_grad``), closures passed to ``step``, gradient accumulation over host
-batches, and dynamic loss scaling.
+gradients, as after ``zero_grad``), closures passed to ``step`` and gradient accumulation over
+host batches.
 """
 
 import logging
@@ -51,6 +63,7 @@ from ipu_backend.runtime.optimizers import optimizer_rule
 from ipu_backend.runtime.outputs import inputs_to_device, output_to_host
 from ipu_backend.runtime.step import (
     REPLICA,
+    SCALER_GROWTH_INTERVAL,
     OutputLayout,
     Schedule,
     _from_replica_zero,
@@ -58,6 +71,7 @@ from ipu_backend.runtime.step import (
     _replica_keys,
     _select_outputs,
     _totals,
+    initial_scaler,
 )
 from ipu_backend.runtime.weights import release, weight_store
 
@@ -165,25 +179,27 @@ class ManualStepExecutor:
 
     ``optimizers`` are the torch optimizers the step uses (their index is the one
     ``intercept`` gives :class:`StepEvents`); ``intercept(events)`` is a context manager that
-    routes the step's backward, optimizer, clipping and scheduler calls to ``events``.
+    routes the step's backward, optimizer, clipping and scheduler calls to ``events``;
+    ``step_schedulers(events)`` steps, on the host, the schedulers a training step stepped (called
+    once per training step the call runs, after its hyper-parameters are read).
     Each call runs ``options.device_iterations`` training steps on ``options.replication_factor``
     replicas; the weights are shared with the model's other executors.
     """
 
     def __init__(self, model: torch.nn.Module, options, optimizers: Sequence[torch.optim.Optimizer],
-                 step_method: str, intercept: Callable):
+                 step_method: str, intercept: Callable, step_schedulers: Callable | None = None):
         options._freeze()
         self._options = options.clone()
         self._options._freeze()
         if self._options.Training.gradient_accumulation != 1:
             raise Error("gradient accumulation is not available with manual optimization: accumulate "
                         "in the training step (several manual_backward calls before a step)")
-        if self._options.Training.auto_loss_scaling:
-            raise Error("automatic loss scaling is not available with manual optimization")
         self._model = model
         self._optimizers = list(optimizers)
         self._step_method = step_method
         self._intercept = intercept
+        self._step_schedulers = step_schedulers
+        self._scaler = initial_scaler() if self._options.Training.auto_loss_scaling else None
         self._store = weight_store(model)
         self._store.on_host_sync.append(self._optimizer_states_to_host)
         self._compiled: dict = {}
@@ -208,7 +224,7 @@ class ManualStepExecutor:
         mesh = replica_mesh(schedule.replicas)
         inputs = inputs_to_device(args, schedule, mesh)
         params, buffers = self._store.device_state()
-        hypers = tuple(rule.hyperparameters(opt) for rule, opt in zip(compiled.rules, self._optimizers))
+        hypers = self._hyperparameters(compiled, schedule.device_iterations)
         if self._opt_states is None:
             self._opt_states = tuple(
                 rule.state_from_torch(opt, params) if any(opt.state.get(p) for g in opt.param_groups
@@ -216,8 +232,8 @@ class ManualStepExecutor:
                 for rule, opt in zip(compiled.rules, self._optimizers))
         self._calls += 1
         key = jax.random.fold_in(jax.random.key(self._seed), self._calls)
-        state = jax.device_put({"params": params, "buffers": buffers, "opt": self._opt_states},
-                               NamedSharding(mesh, P()))
+        state = jax.device_put({"params": params, "buffers": buffers, "opt": self._opt_states,
+                                "scaler": self._scaler}, NamedSharding(mesh, P()))
         call_args = (state, inputs, hypers, key)
         if compiled.executable is None:
             compiled.executable = compiled.call.lower(*call_args).compile()
@@ -226,13 +242,17 @@ class ManualStepExecutor:
         self._profiler.inputs_on_device(call_args)
         state, arrays, logs = compiled.executable(*call_args)
         self._profiler.computed(state, arrays, logs)
-        self._opt_states = state["opt"]
+        self._opt_states, self._scaler = state["opt"], state["scaler"]
         self._store.update(state["params"], state["buffers"])
         self.last_program, self.last_events = compiled.program, compiled.events
         self.last_logs = {name: output_to_host(v, compiled.log_dtypes[name]) for name, v in logs.items()}
         outputs = compiled.layout.join([output_to_host(a, d) for a, d in zip(arrays, compiled.output_dtypes)])
         self._profiler.finished(self, compiled, call_args)
         return outputs
+
+    def loss_scale(self) -> float | None:
+        """The current loss scale (None without loss scaling)."""
+        return None if self._scaler is None else float(self._scaler["scale"])
 
     def copyWeightsToHost(self) -> None:  # noqa: N802  (PopTorch's name)
         self._store.sync_to_host()
@@ -243,6 +263,16 @@ class ManualStepExecutor:
         self._compiled.clear()
 
     # --- internals -------------------------------------------------------------------------
+    def _hyperparameters(self, compiled: _Compiled, iterations: int):
+        """Each optimizer's hyper-parameters for each training step of the call (stacked on a
+        leading axis), the schedulers the step steps stepped on the host in between."""
+        per_step = []
+        for _ in range(iterations):
+            per_step.append(tuple(rule.hyperparameters(opt) for rule, opt in zip(compiled.rules, self._optimizers)))
+            if self._step_schedulers is not None:
+                self._step_schedulers(compiled.events)
+        return jax.tree.map(lambda *values: jnp.stack(values), *per_step)
+
     def _schedule(self) -> Schedule:
         mode = self._options.output_mode
         return Schedule(device_iterations=self._options.device_iterations, accumulation=1,
@@ -300,6 +330,11 @@ class ManualStepExecutor:
         if not steps:
             raise Error(f"{self._step_method} never steps an optimizer: with manual optimization it "
                         "must call manual_backward(loss) and optimizer.step()")
+        last_step = max(i for i, e in enumerate(events.events) if isinstance(e, Step))
+        if any(isinstance(e, SchedulerStep) for e in events.events[:last_step]):
+            raise Error(f"{self._step_method} steps an LR scheduler before its last optimizer.step(): "
+                        "the learning rates of a compiled step are read once per training step, so "
+                        "call lr_scheduler.step() after the optimizer steps (Lightning's own order)")
         params = dict(torch.nn.Module.named_parameters(self._model))
         versions = tuple({n: torch.zeros_like(params[n]) for n in events.groups[s.optimizer]} for s in steps)
         program = self._capture(micro, events, versions)
@@ -317,7 +352,7 @@ class ManualStepExecutor:
         totals = {call.name: call.state.reduction for call in program.logs if call.state is not None}
         log_dtypes.update({name + TOTAL_SUFFIX: log_dtypes[name] for name in totals})
         call = _manual_call(program, micro, tuple(events.events), events.groups, rules, schedule,
-                            replica_mesh(schedule.replicas), layout, totals)
+                            replica_mesh(schedule.replicas), layout, totals, self._scaler is not None)
         return _Compiled(call, program, layout, [n.meta["val"].dtype for n in results], log_dtypes,
                          tuple(events.events), rules)
 
@@ -340,10 +375,19 @@ def _used_inputs(fn, args) -> list[bool]:
     return [v in used for v in jaxpr.invars]
 
 
+def _next_scale(scaler: dict, finite) -> dict:
+    """torch's ``GradScaler.update`` after one optimizer step."""
+    good = jnp.where(finite, scaler["good_steps"] + 1, 0)
+    grow = good >= SCALER_GROWTH_INTERVAL
+    scale = jnp.where(finite, jnp.where(grow, scaler["scale"] * 2, scaler["scale"]), scaler["scale"] / 2)
+    return {"scale": scale, "good_steps": jnp.where(grow, 0, good)}
+
+
 def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tuple, schedule: Schedule,
-                 mesh, layout: OutputLayout, totals: dict):
-    """``call(state, inputs, hypers, key) -> (state, outputs, logs)``, jitted over the mesh; the
-    logged metric states in ``totals`` also come reduced over every micro-batch."""
+                 mesh, layout: OutputLayout, totals: dict, loss_scaling: bool):
+    """``call(state, inputs, hypers, key) -> (state, outputs, logs)``, jitted over the mesh, with
+    ``hypers`` per training step (leading axis); the logged metric states in ``totals`` also come
+    reduced over every micro-batch; ``loss_scaling``: torch's GradScaler (``state["scaler"]``)."""
     leaves, spec = torch_pytree.tree_flatten(micro)
     is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
     local = schedule.replicas // mesh.size
@@ -366,8 +410,8 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
         return params, versions
 
     def iteration(carry, xs):
-        params, buffers, opt_states, hypers = carry
-        inputs, key = xs                                        # inputs: [1, r, m, ...]
+        params, buffers, opt_states, scaler = carry
+        inputs, key, hypers = xs                                # inputs: [1, r, m, ...]
         inputs = jax.tree.map(lambda x: x[0], inputs)
         keys = _replica_keys(key, local)
         current = dict(params)
@@ -381,7 +425,8 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
                          latest=dict(latest)):
                     p, v = with_targets(params, versions, latest, targets)
                     (_, losses), _, _ = evaluate(p, buffers, replica_inputs, v, replica_key)
-                    return losses[event.loss].astype(jnp.float32)
+                    loss_value = losses[event.loss].astype(jnp.float32)
+                    return loss_value * scaler["scale"] if loss_scaling else loss_value
 
                 targets = {n: current[n] for n in event.targets}
                 first = (jax.tree.map(lambda x: x[0], inputs), keys[0])
@@ -403,13 +448,18 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
                 grads.update(event.clipping(grads, present))
             elif isinstance(event, Step):
                 rule = rules[event.optimizer]
-                full = {n: grads.get(n, jnp.zeros_like(current[n])) for n in rule.names}
+                unscale = (lambda g: g / scaler["scale"]) if loss_scaling else (lambda g: g)
+                full = {n: unscale(grads[n]) if n in grads else jnp.zeros_like(current[n]) for n in rule.names}
                 new_params, new_state = rule.update(full, opt_states[event.optimizer], current, hypers[event.optimizer])
                 state = dict(opt_states[event.optimizer])
-                for name in rule.names:
-                    if name in grads:
-                        current[name] = new_params[name]
-                        state[name] = new_state[name]
+                present = [n for n in rule.names if n in grads]
+                finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(full[n])) for n in present] or [jnp.array(True)]))
+                for name in present:
+                    keep = finite if loss_scaling else True
+                    current[name] = jax.tree.map(lambda new, old: jnp.where(keep, new, old), new_params[name], current[name])
+                    state[name] = jax.tree.map(lambda new, old: jnp.where(keep, new, old), new_state[name], state[name])
+                if loss_scaling:
+                    scaler = _next_scale(scaler, finite)
                 opt_states[event.optimizer] = state
                 versions[event.version] = {n: current[n] for n in groups[event.optimizer]}
                 for name in groups[event.optimizer]:
@@ -420,17 +470,18 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
             return (layout.split(result), logs), new_buffers
 
         outputs, new_buffers = jax.vmap(final)(inputs, keys)
-        return (current, _from_replica_zero(new_buffers, local), tuple(opt_states), hypers), \
+        return (current, _from_replica_zero(new_buffers, local), tuple(opt_states), scaler), \
             jax.tree.map(lambda y: y[None], outputs)
 
     def device_program(state, inputs, hypers, key):
         keys = jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(schedule.device_iterations))
-        carry = (state["params"], state["buffers"], state["opt"], hypers)
-        (params, buffers, opt_states, _), ys = _loop(iteration, carry, (inputs, keys), schedule.device_iterations)
+        carry = (state["params"], state["buffers"], state["opt"], state["scaler"])
+        (params, buffers, opt_states, scaler), ys = _loop(iteration, carry, (inputs, keys, hypers),
+                                                          schedule.device_iterations)
         reduced = _totals(ys[1], totals)
         arrays, logs = _select_outputs(ys, schedule)
         arrays, logs = jax.tree.map(lambda y: jnp.moveaxis(y, 2, 0), (arrays, {**logs, **reduced}))
-        return {"params": params, "buffers": buffers, "opt": opt_states}, arrays, logs
+        return {"params": params, "buffers": buffers, "opt": opt_states, "scaler": scaler}, arrays, logs
 
     sharded = jax.shard_map(device_program, mesh=mesh, in_specs=(P(), P(None, None, REPLICA), P(), P()),
                             out_specs=(P(), P(REPLICA), P(REPLICA)), check_vma=False)

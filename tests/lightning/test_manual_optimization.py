@@ -7,6 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_ipu import IPUStrategy
 from tests.lightning.helpers import QUIET, Recorder, assert_same_weights, loader, twins
 
 
@@ -83,3 +86,45 @@ class StepsWithAClosure(TinyGAN):
 def test_an_optimizer_closure_in_a_manual_step_is_refused():
     with pytest.raises(pl.utilities.exceptions.MisconfigurationException, match=r"step\(closure=...\)"):
         pl.Trainer(accelerator="ipu", max_steps=1, **QUIET).fit(StepsWithAClosure(), loader(gan_data(), 4))
+
+
+def fit_gan_pair(ipu_flags, data, cpu_flags=None):
+    ipu, cpu = twins(TinyGAN)
+    runs = []
+    for module, accelerator, batch in ((ipu, dict(accelerator="ipu", devices=2, **ipu_flags), 4),
+                                       (cpu, dict(accelerator="cpu", **(cpu_flags or {})), 8)):
+        recorder = Recorder()
+        callbacks = [recorder, *accelerator.pop("callbacks", [])]
+        trainer = pl.Trainer(max_epochs=2, callbacks=callbacks, **accelerator, **QUIET)
+        trainer.fit(module, loader(data, batch))
+        runs.append((module, trainer, recorder))
+    return runs
+
+
+def test_device_iterations_run_several_manual_steps_per_call_with_the_cpu_learning_rates():
+    (ipu, ipu_trainer, ipu_rec), (cpu, cpu_trainer, cpu_rec) = fit_gan_pair(
+        dict(strategy=IPUStrategy(device_iterations=2)), gan_data())
+    assert_same_weights(ipu, cpu)
+    assert ipu_trainer.global_step == cpu_trainer.global_step == 16
+    assert len(ipu_rec.lrs) * 2 == len(cpu_rec.lrs) == 8
+    assert ipu_rec.lrs == pytest.approx(cpu_rec.lrs[1::2])        # a call is two training steps
+    torch.testing.assert_close(torch.stack(ipu_rec.losses), torch.stack(cpu_rec.losses[1::2]),
+                               rtol=1e-5, atol=1e-6)
+
+
+class LossScale(pl.Callback):
+    def on_train_end(self, trainer, pl_module):
+        self.value = trainer.strategy._executors["training_step"].loss_scale()
+
+
+def test_16_mixed_scales_manual_losses_and_skips_an_overflowed_step_as_lightning_does():
+    data = gan_data()
+    data.tensors[0][:8] *= 1e5          # the first batch's real samples overflow float16
+    # Lightning's CPU flag would fall back to bf16-mixed: its float16 plugin, with a GradScaler, given
+    scale = LossScale()
+    (ipu, ipu_trainer, _), (cpu, cpu_trainer, _) = fit_gan_pair(
+        dict(precision="16-mixed", callbacks=[scale]), data, dict(plugins=[MixedPrecision("16-mixed", "cpu")]))
+    assert_same_weights(ipu, cpu, rtol=1e-2, atol=1e-3)
+    cpu_scale = cpu_trainer.precision_plugin.scaler.get_scale()
+    assert cpu_scale < 2.0 ** 16                        # overflowed steps were skipped, the scale halved
+    assert scale.value == cpu_scale
