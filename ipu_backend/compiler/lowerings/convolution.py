@@ -198,17 +198,37 @@ def _lowest(dtype):
 def _first_max(taps, valid, flat_index):
     """Max over the window and the flat index of torch's choice: the first maximum or, where
     the window holds NaN, the last NaN (torch's kernels take ``val > max || isnan(val)``).
-    Reading the value through a one-hot mask sends its gradient to that element only."""
+    The value is an elementwise maximum of the taps (one fused pass; NaN propagates, as in
+    torch); its gradient goes to torch's choice only, found in the derivative rule, so a
+    forward pass that drops the indices never computes them."""
+    lowest = _lowest(taps[0].dtype)
+    taps = [tap if valid[..., k].all() else jnp.where(valid[..., k], tap, lowest)
+            for k, tap in enumerate(taps)]
+
+    @jax.custom_jvp
+    def window_max(*taps):
+        return functools.reduce(jnp.maximum, taps)
+
+    @window_max.defjvp
+    def window_max_jvp(primals, tangents):
+        one_hot = _torch_choice(primals, valid)
+        tangent = jnp.sum(jnp.where(one_hot, jnp.stack(tangents, axis=-1), 0), axis=-1)
+        return window_max(*primals), tangent.astype(primals[0].dtype)
+
+    indices = jnp.sum(jnp.where(_torch_choice(taps, valid), flat_index.astype(np.int32), 0),
+                      axis=-1)
+    return window_max(*taps), indices
+
+
+def _torch_choice(taps, valid):
+    """One-hot over the window's last axis: the element torch's max pooling picks."""
     patches = jnp.stack(taps, axis=-1)
     order = np.arange(len(taps))
-    best = jnp.max(jnp.where(valid, patches, _lowest(patches.dtype)), axis=-1, keepdims=True)
+    best = jnp.max(patches, axis=-1, keepdims=True)
     preference = jnp.where(valid & (patches == best), len(taps) - order, 0)
     if jnp.issubdtype(patches.dtype, jnp.floating):
         preference = jnp.where(valid & jnp.isnan(patches), len(taps) + order, preference)
-    one_hot = jnp.argmax(preference, axis=-1)[..., None] == order
-    values = jnp.sum(jnp.where(one_hot, patches, jnp.zeros((), patches.dtype)), axis=-1)
-    indices = jnp.sum(jnp.where(one_hot, flat_index.astype(np.int32), 0), axis=-1)
-    return values, indices
+    return jnp.argmax(preference, axis=-1)[..., None] == order
 
 
 def _window_sum(taps, valid):
