@@ -375,6 +375,15 @@ def _used_inputs(fn, args) -> list[bool]:
     return [v in used for v in jaxpr.invars]
 
 
+def _all_finite(arrays: list):
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in arrays])) if arrays else jnp.array(True)
+
+
+def _chosen(keep, new, old):
+    """``new`` where ``keep`` (a skipped step keeps ``old``)."""
+    return jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, old)
+
+
 def _next_scale(scaler: dict, finite) -> dict:
     """torch's ``GradScaler.update`` after one optimizer step."""
     good = jnp.where(finite, scaler["good_steps"] + 1, 0)
@@ -453,13 +462,12 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
                 new_params, new_state = rule.update(full, opt_states[event.optimizer], current, hypers[event.optimizer])
                 state = dict(opt_states[event.optimizer])
                 present = [n for n in rule.names if n in grads]
-                finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(full[n])) for n in present] or [jnp.array(True)]))
+                keep = _all_finite([full[n] for n in present]) if loss_scaling else True
                 for name in present:
-                    keep = finite if loss_scaling else True
-                    current[name] = jax.tree.map(lambda new, old: jnp.where(keep, new, old), new_params[name], current[name])
-                    state[name] = jax.tree.map(lambda new, old: jnp.where(keep, new, old), new_state[name], state[name])
+                    current[name] = _chosen(keep, new_params[name], current[name])
+                    state[name] = _chosen(keep, new_state[name], state[name])
                 if loss_scaling:
-                    scaler = _next_scale(scaler, finite)
+                    scaler = _next_scale(scaler, keep)
                 opt_states[event.optimizer] = state
                 versions[event.version] = {n: current[n] for n in groups[event.optimizer]}
                 for name in groups[event.optimizer]:

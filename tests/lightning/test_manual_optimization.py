@@ -1,14 +1,15 @@
 """Manual optimization with two optimizers (a GAN), compiled whole, against Lightning on the CPU:
-toggled optimizers, detached fakes, clip_gradients, zero_grad and a scheduler stepped in the step."""
+toggled optimizers, detached fakes, clip_gradients, zero_grad and a scheduler stepped in the step;
+several training steps per call (device iterations) and 16-mixed loss scaling."""
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import TensorDataset
 
-from lightning.pytorch.plugins.precision import MixedPrecision
-
+import ipu_backend
 from lightning_ipu import IPUStrategy
 from tests.lightning.helpers import QUIET, Recorder, assert_same_weights, loader, twins
 
@@ -128,3 +129,16 @@ def test_16_mixed_scales_manual_losses_and_skips_an_overflowed_step_as_lightning
     cpu_scale = cpu_trainer.precision_plugin.scaler.get_scale()
     assert cpu_scale < 2.0 ** 16                        # overflowed steps were skipped, the scale halved
     assert scale.value == cpu_scale
+
+
+class SchedulesFirst(TinyGAN):
+    def training_step(self, batch, batch_idx):
+        g_opt, _ = self.optimizers()
+        self.lr_schedulers().step()
+        self.manual_backward(self.generator(batch[1]).sum())
+        g_opt.step()
+
+
+def test_a_scheduler_stepped_before_the_optimizer_is_refused():
+    with pytest.raises(ipu_backend.Error, match=r"lr_scheduler.step\(\) after the optimizer steps"):
+        pl.Trainer(accelerator="ipu", max_steps=1, **QUIET).fit(SchedulesFirst(), loader(gan_data(), 4))
