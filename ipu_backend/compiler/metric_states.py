@@ -22,9 +22,6 @@ STATE_PREFIX = "metric_state:"
 TOTAL_SUFFIX = ":total"
 """The same state reduced over every micro-batch of a call (whatever the output mode keeps)."""
 
-REDUCTIONS = ("sum", "max", "min")
-
-
 @dataclass(frozen=True)
 class MetricState:
     """One state of one metric: where it lives, how contributions combine, and whether the step
