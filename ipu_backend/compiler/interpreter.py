@@ -21,12 +21,14 @@ from ipu_backend.errors import Error
 @dataclass
 class LoweringContext:
     """What a lowering may need besides its arguments. ``computed(node)`` looks up the value of
-    an earlier node (None when not held)."""
+    an earlier node (None when not held); ``shared`` holds values that several nodes of one
+    graph evaluation compute once (see :meth:`once`)."""
 
     node: torch.fx.Node
     base_key: jax.Array
     path: tuple = field(default=())
     computed: Callable[[torch.fx.Node], object] | None = None
+    shared: dict | None = None
 
     @property
     def out(self):
@@ -38,6 +40,16 @@ class LoweringContext:
         caller does not hold it (another pipeline stage's). Lets a lowering start from a value
         before the views that lead to its argument (a matrix before its ``expand``)."""
         return None if self.computed is None else self.computed(node)
+
+    def once(self, key, compute: Callable[[], object]):
+        """``compute()``, evaluated once per graph evaluation for each ``key`` and shared by the
+        nodes that ask for it (several ``select`` nodes unbinding one tensor share one split,
+        whose gradient is one concatenation)."""
+        if self.shared is None:
+            return compute()
+        if key not in self.shared:
+            self.shared[key] = compute()
+        return self.shared[key]
 
     def key(self) -> jax.Array:
         """A random key owned by this node: deterministic per seed, distinct per node."""
@@ -82,7 +94,7 @@ def reject_boolean_mask_indexing(graph_module: torch.fx.GraphModule) -> None:
 
 def run_graph(graph_module: torch.fx.GraphModule, inputs, base_key, path=()):
     """Evaluate ``graph_module`` on ``inputs`` (one per placeholder); returns the output node's args."""
-    env = {}
+    env, shared = {}, {}
     placeholders = iter(inputs)
     for index, node in enumerate(graph_module.graph.nodes):
         if node.op == "placeholder":
@@ -94,7 +106,7 @@ def run_graph(graph_module: torch.fx.GraphModule, inputs, base_key, path=()):
             if node.target is operator.getitem:
                 env[node] = args[0][args[1]]
             else:
-                ctx = LoweringContext(node, base_key, path + (index,), env.get)
+                ctx = LoweringContext(node, base_key, path + (index,), env.get, shared)
                 env[node] = _lower(ctx, args, kwargs)
         elif node.op == "output":
             return torch.fx.node.map_arg(node.args[0], env.__getitem__)

@@ -121,8 +121,25 @@ def slice_tensor(ctx, x, dim=0, start=None, end=None, step=1):
 
 @lowering(aten.select.int)
 def select(ctx, x, dim, index):
+    """A static slice. Where every user of ``x`` selects along the same dim (``unbind``, or
+    MultiheadAttention's q, k, v taken from one projection), they share one split of ``x``, so
+    the gradient is one concatenation rather than a zero-padded copy of ``x`` per select."""
     dim = _dim(dim, x.ndim)
-    return lax.index_in_dim(x, index % x.shape[dim], axis=dim, keepdims=False)
+    index = index % x.shape[dim]
+    if not _unbound(ctx.node.args[0], dim):
+        return lax.index_in_dim(x, index, axis=dim, keepdims=False)
+    parts = ctx.once(("unbind", ctx.node.args[0], dim),
+                     lambda: lax.split(x, (1,) * x.shape[dim], axis=dim))
+    return jnp.squeeze(parts[index], dim)
+
+
+def _unbound(source, dim: int) -> bool:
+    """Whether ``source`` is only read by ``select`` nodes along ``dim``, more than one."""
+    users = list(source.users)
+    ndim = source.meta["val"].ndim
+    return len(users) > 1 and all(
+        user.target is aten.select.int and user.args[0] is source and _dim(user.args[1], ndim) == dim
+        for user in users)
 
 
 @lowering(aten.diagonal.default)
