@@ -43,6 +43,8 @@ def _computed_on(metric, states: dict) -> torch.Tensor:
 def update(module: torch.nn.Module, program, logged: dict, steps: int) -> dict:
     """Merge the call's metric states into ``module``'s metrics; ``steps`` is the number of
     updates the call stands for. Returns the metrics by path."""
+    if not any(call.state is not None or call.metric is not None for call in program.logs):
+        return {}
     metrics = metrics_of(module)
     by_metric = defaultdict(list)
     for call in program.logs:
