@@ -223,7 +223,9 @@ class PipelinedExecution:
 
     Emulation settings (keywords): ``ipu_spec``, the :class:`~ipu_backend.runtime.memory.IpuSpec`
     each IPU has (Mk2 by default), and ``memory_check``: ``"error"`` (an out-of-memory error when
-    a stage does not fit), ``"warn"`` or ``"off"``.
+    a stage does not fit), ``"warn"`` or ``"off"``. ``Options.setIpuSpec`` / ``setMemoryCheck``
+    set the same for every model; a setting left at its default in one place gives way to the
+    other, and two different values are an error.
     """
 
     def __init__(self, *args, ipu_spec: IpuSpec = MK2, memory_check: str = "error"):

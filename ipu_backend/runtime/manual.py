@@ -56,7 +56,8 @@ from ipu_backend.compiler.metric_states import TOTAL_SUFFIX
 from ipu_backend.enums import OutputMode
 from ipu_backend.errors import Error
 from ipu_backend.profiling import recorder_for
-from ipu_backend.runtime import compilation_cache
+from ipu_backend.profiling.memory_usage import single_ipu_usage
+from ipu_backend.runtime import compilation_cache, memory
 from ipu_backend.runtime.clipping import GradientClipping
 from ipu_backend.runtime.devices import replica_mesh
 from ipu_backend.runtime.optimizers import optimizer_rule
@@ -236,7 +237,10 @@ class ManualStepExecutor:
                                 "scaler": self._scaler}, NamedSharding(mesh, P()))
         call_args = (state, inputs, hypers, key)
         if compiled.executable is None:
-            compiled.executable = compiled.call.lower(*call_args).compile()
+            executable = compiled.call.lower(*call_args).compile()
+            usage = single_ipu_usage(executable, state, schedule.replicas // mesh.size)
+            memory.check(usage, *memory.in_force(self._options))
+            compiled.executable = executable
             logger.info("compiled the manual training program in %.2f s", time.perf_counter() - compiled.started)
             self._profiler.compiled(self, compiled, call_args)
         self._profiler.inputs_on_device(call_args)

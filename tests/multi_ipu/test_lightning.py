@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import ipu_backend as poptorch
 from lightning_ipu import IPUStrategy
 from tests.lightning.helpers import QUIET, Regressor, assert_same_weights, dataset, loader
+from tests.lightning.test_manual_optimization import TinyGAN, gan_data
 
 
 class PipelinedRegressor(Regressor):
@@ -61,3 +62,11 @@ class PlacementRecorder(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.placements.append(trainer.strategy._executors["training_step"].ipuPlacement())
+
+
+def test_a_manual_optimization_step_too_large_for_its_ipu_raises_out_of_memory():
+    options = poptorch.Options(ipu_spec=poptorch.IpuSpec(memory_bytes=1000, tiles=4, name="tiny"))
+    trainer = pl.Trainer(accelerator="ipu", devices=1, max_steps=1, strategy=IPUStrategy(training_opts=options),
+                         **QUIET)
+    with pytest.raises(poptorch.OutOfMemoryError, match=r"Out of memory on 1 of 1 IPU\(s\) \(tiny"):
+        trainer.fit(TinyGAN(), loader(gan_data(), 4))
