@@ -6,8 +6,9 @@ order the runtime splits them. ``DataLoaderMode.Async`` fetches the next combine
 background thread while the device computes.
 
 Combined batches of a ``TensorDataset`` (or of ``Subset``\\ s of one) are gathered by indexing
-each tensor once with an index tensor instead of one ``__getitem__`` per sample; a dataset with
-``__getitems__`` gets one call per combined batch (as torch's own fetcher does).
+each tensor once instead of one ``__getitem__`` per sample (a sequential sampler's batches are
+row ranges, copied without listing their indices); a dataset with ``__getitems__`` gets one call
+per combined batch (as torch's own fetcher does).
 """
 
 import queue
@@ -17,8 +18,17 @@ import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import IterableDataset, Sampler, Subset, TensorDataset, default_collate
+from torch.utils.data import (
+    BatchSampler,
+    IterableDataset,
+    Sampler,
+    SequentialSampler,
+    Subset,
+    TensorDataset,
+    default_collate,
+)
 
 from ipu_backend.enums import DataLoaderMode
 from ipu_backend.options import (
@@ -170,7 +180,7 @@ class DataLoader(torch.utils.data.DataLoader):
         # torch's iterators first draw their workers' base seed from the loader's generator; so
         # does this one, for the sampler to shuffle exactly as it does on torch's path.
         torch.empty((), dtype=torch.int64).random_(generator=self.generator)
-        return _gather_batches(*source, iter(self.batch_sampler))
+        return _gather_batches(*source, self.batch_sampler)
 
     def _tensor_source(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None] | None:
         """The tensors of the TensorDataset behind ``self.dataset`` and the positions in them of
@@ -254,15 +264,48 @@ class _CombinedBatchSampler(Sampler[list[int]]):
         return whole + (1 if rest and not self.drop_last else 0)
 
 
+_NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.int8, torch.int16,
+                           torch.int32, torch.int64, torch.uint8, torch.bool})
+
+
+def _rows(tensor: torch.Tensor, rows: slice | np.ndarray) -> torch.Tensor:
+    """``tensor[rows]`` as a new tensor. Copied by numpy where it can be: a single-threaded
+    memcpy or gather, where torch's ``index_select``/``clone`` of a combined batch go through its
+    intra-op thread pool, which costs milliseconds when the host's cores are busy."""
+    if (tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.requires_grad
+            or tensor.dtype not in _NUMPY_DTYPES):
+        if isinstance(rows, slice):
+            return tensor[rows].clone()
+        return tensor.index_select(0, torch.from_numpy(rows))
+    host = tensor.numpy()[rows]
+    return torch.from_numpy(host.copy() if isinstance(rows, slice) else host)
+
+
+def _sequential_ranges(batch_sampler: Any) -> Iterator[slice] | None:
+    """The row ranges of torch's ``BatchSampler`` over a ``SequentialSampler`` (None for any
+    other sampler), without building its lists of indices."""
+    if type(batch_sampler) is not BatchSampler or type(batch_sampler.sampler) is not SequentialSampler:
+        return None
+    count, size = len(batch_sampler.sampler), batch_sampler.batch_size
+    stop = count - count % size if batch_sampler.drop_last else count
+    return (slice(start, min(start + size, stop)) for start in range(0, stop, size))
+
+
 def _gather_batches(tensors: tuple[torch.Tensor, ...], positions: torch.Tensor | None,
-                    batches_of_indices: Iterator[Sequence[int]]) -> Iterator[list[torch.Tensor]]:
+                    batch_sampler: Iterable[Sequence[int]]) -> Iterator[list[torch.Tensor]]:
     """What torch's default collation of the samples would give (a list with one stacked tensor
     per dataset tensor), by one indexing per tensor."""
-    for indices in batches_of_indices:
-        index = torch.as_tensor(indices, dtype=torch.long)
+    positions = None if positions is None else positions.numpy()
+    ranges = _sequential_ranges(batch_sampler)
+    if ranges is not None:
+        for rows in ranges:
+            yield [_rows(tensor, rows if positions is None else positions[rows]) for tensor in tensors]
+        return
+    for indices in batch_sampler:
+        rows = np.asarray(indices, dtype=np.int64)
         if positions is not None:
-            index = positions[index]
-        yield [tensor.index_select(0, index) for tensor in tensors]
+            rows = positions[rows]
+        yield [_rows(tensor, rows) for tensor in tensors]
 
 
 def _unsupported_batch(batch: Any) -> WrongArgumentType:

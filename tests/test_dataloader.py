@@ -229,6 +229,7 @@ def test_tensor_dataset_batches_are_gathered_not_fetched_per_sample(monkeypatch)
                 for s in range(2)]
     subset = Subset(Subset(data, list(range(400, 0, -2))), torch.arange(150))
     expected_subset = list(plain(subset, drop_last=False))
+    expected_sequential = list(plain(data, drop_last=False))
 
     def per_sample(self, index):
         raise AssertionError("a per-sample fetch")
@@ -239,6 +240,25 @@ def test_tensor_dataset_batches_are_gathered_not_fetched_per_sample(monkeypatch)
             gathered(data, shuffle=True, generator=torch.Generator().manual_seed(seed)),
             expected[seed])
     _assert_same_batches(gathered(subset, drop_last=False), expected_subset)
+    _assert_same_batches(gathered(data, drop_last=False), expected_sequential)
+    for batch in gathered(data):
+        assert all(t.untyped_storage().data_ptr() != d.untyped_storage().data_ptr()
+                   for t, d in zip(batch, data.tensors)), "a batch must not alias the dataset"
+
+
+def test_gathered_batches_of_tensors_numpy_cannot_hold():
+    """bfloat16 and grad-requiring tensors are gathered by torch, as torch's collation would."""
+    opts = Options(device_iterations=2)
+    x = torch.randn(20, 3).to(torch.bfloat16)
+    w = torch.randn(20, 2, requires_grad=True)
+    data = TensorDataset(x, w)
+    for shuffle in (False, True):
+        def load(dataset):
+            return _quietly(lambda: DataLoader(opts.clone(), dataset, batch_size=3, shuffle=shuffle,
+                                               generator=torch.Generator().manual_seed(0)))
+        gathered, plain = list(load(data)), list(load(_PerSample(data)))
+        _assert_same_batches(gathered, plain)
+        assert all(b[1].requires_grad for b in gathered)
 
 
 class _Batched(Dataset):

@@ -37,6 +37,10 @@ signature and optimizer structure never compile twice in a process."""
 _OUTPUT_MODES = {OutputMode.All: "all", OutputMode.Final: "final", OutputMode.Sum: "sum",
                  OutputMode.EveryN: "every_n"}
 
+_call_key = jax.jit(jax.random.fold_in)
+"""A call's random key from the executor's base key and the call's index: one dispatch, where
+eager ``fold_in`` costs a dozen."""
+
 
 class _Compiled:
     """One compiled call and what the host needs to use it."""
@@ -55,6 +59,24 @@ def _signature(args) -> tuple:
     leaves, spec = torch_pytree.tree_flatten(args)
     return (spec,) + tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("const", x)
                            for x in leaves)
+
+
+def _plain(value):
+    """A param-group value as something ``==`` compares by content (tensors as lists)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.tolist())
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def _param_group_values(optimizer) -> tuple:
+    """Everything an optimizer rule reads from ``optimizer``: its kind, and each param group's
+    parameters and values. Equal values give equal hyper-parameters and the same rule match."""
+    return (type(optimizer),) + tuple(
+        (tuple(id(p) for p in group["params"]),
+         tuple((k, _plain(v)) for k, v in group.items() if k != "params"))
+        for group in optimizer.param_groups)
 
 
 def _output_nodes(program):
@@ -158,11 +180,21 @@ class PoplarExecutor:
         self._last_signature = None
         self._opt_state = None
         self._scaler = None
+        self._resident = None
+        """The state the last call returned, already on the mesh: passed back without a copy."""
+        self._matched = None
+        """``(rule, param-group values)`` last found to match: not checked again until they change."""
+        self._hyper = None
+        """``(rule, param-group values, hyper-parameters on the mesh)`` of the last call."""
         self._attached = True
         self._destroyed = False
         self._calls_made = 0
         seed = self._options.random_seed
         self._seed = int(torch.randint(0, 2**31 - 1, ())) if seed is None else seed
+        self._key = None
+        self._options_key = repr(sorted(self._options.toDict().items()))
+        self._schedule_value = self._make_schedule()
+        self._mesh_value = None
         if training:
             self._store.on_host_sync.append(self._optimizer_state_to_host)
         compilation_cache.configure(self._options.executable_cache_dir)
@@ -197,7 +229,9 @@ class PoplarExecutor:
         if self._training:
             self._opt_state, self._scaler = state["opt"], state["scaler"]
         self._store.update(state["params"], state["buffers"])
+        self._resident = None if compiled.multi_ipu else state
         self.last_program = compiled.program
+        arrays, logs = jax.device_get((arrays, logs))      # one transfer for every output
         self.last_logs = {name: output_to_host(value, compiled.log_dtypes[name]) for name, value in logs.items()}
         outputs = [output_to_host(a, d) for a, d in zip(arrays, compiled.output_dtypes)]
         self._profiler.finished(self, compiled, call_args)
@@ -271,6 +305,15 @@ class PoplarExecutor:
         return tuple(bound.args)
 
     def _schedule(self) -> Schedule:
+        return self._schedule_value
+
+    def _mesh(self):
+        """The replica mesh, made once (the options are frozen)."""
+        if self._mesh_value is None:
+            self._mesh_value = replica_mesh(self._schedule_value.replicas)
+        return self._mesh_value
+
+    def _make_schedule(self) -> Schedule:
         opts = self._options
         mode = opts.output_mode
         if mode == OutputMode.Default:
@@ -308,14 +351,13 @@ class PoplarExecutor:
         optimizer = self._optimizer
         structure = None if optimizer is None else (
             type(optimizer), tuple(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups))
-        options = repr(sorted(self._options.toDict().items()))
-        return (self._training, self._step_method, options, structure, self._gradient_clipping,
+        return (self._training, self._step_method, self._options_key, structure, self._gradient_clipping,
                 _signature(args))
 
     def _compile(self, args: tuple) -> _Compiled:
         signature = self._cache_key(args)
         compiled = self._compiled.get(signature) or _PROGRAMS.setdefault(self._user_model, {}).get(signature)
-        if compiled is not None and (compiled.rule is None or compiled.rule.matches(self._optimizer)):
+        if compiled is not None and (compiled.rule is None or self._rule_matches(compiled.rule)):
             self._compiled[signature] = compiled
             return compiled
         if self._last_signature is not None:
@@ -333,18 +375,45 @@ class PoplarExecutor:
         """What the compiled call takes: device state, the combined batch on the mesh, the
         optimizer's current hyper-parameters (training) and this call's random key."""
         schedule = self._schedule()
-        mesh = None if compiled.multi_ipu else replica_mesh(schedule.replicas)
+        mesh = None if compiled.multi_ipu else self._mesh()
         inputs = inputs_to_device(args, schedule, mesh)
-        key = jax.random.fold_in(self._base_key(), self._next_call_index() if advance else 0)
+        key = _call_key(self._base_key(), self._next_call_index() if advance else 0)
         params, buffers = self._store.device_state()
         state = {"params": params, "buffers": buffers}
         if self._training:
-            hyper = compiled.rule.hyperparameters(self._optimizer)
+            hyper = self._hyperparameters(compiled.rule, mesh)
             state.update(opt=self._optimizer_state(compiled.rule, params),
                          scaler=self._scaler_state(compiled.rule, hyper))
-        if mesh is not None:
+        if mesh is not None and not self._is_resident(state):
             state = jax.device_put(state, NamedSharding(mesh, P()))
         return (state, inputs, hyper, key) if self._training else (state, inputs, key)
+
+    def _is_resident(self, state: dict) -> bool:
+        """Whether ``state`` is what the last call left on the mesh (nothing replaced it since)."""
+        last = self._resident
+        return last is not None and all(value is last.get(name) for name, value in state.items())
+
+    def _rule_matches(self, rule) -> bool:
+        """``rule.matches(optimizer)``, checked again only when the param groups changed."""
+        values = _param_group_values(self._optimizer)
+        if self._matched is not None and self._matched[0] is rule and self._matched[1] == values:
+            return True
+        if not rule.matches(self._optimizer):
+            return False
+        self._matched = (rule, values)
+        return True
+
+    def _hyperparameters(self, rule, mesh):
+        """The optimizer's hyper-parameters on the mesh, rebuilt only when its param groups changed
+        (``setOptimizer``, a learning-rate scheduler, a value set by hand)."""
+        values = _param_group_values(self._optimizer)
+        cached = self._hyper
+        if cached is None or cached[0] is not rule or cached[1] != values:
+            hyper = rule.hyperparameters(self._optimizer)
+            if mesh is not None:
+                hyper = jax.device_put(hyper, NamedSharding(mesh, P()))
+            self._hyper = cached = (rule, values, hyper)
+        return cached[2]
 
     def _ensure_executable(self, compiled: _Compiled, call_args: tuple) -> None:
         """Lower and compile ahead of time, once, and say how long capture and compilation took."""
@@ -424,8 +493,10 @@ class PoplarExecutor:
 
     def _base_key(self):
         """Options.randomSeed when set, else a seed drawn from torch's generator (so
-        torch.manual_seed makes runs repeatable)."""
-        return jax.random.key(self._seed)
+        torch.manual_seed makes runs repeatable); made once."""
+        if self._key is None:
+            self._key = jax.random.key(self._seed)
+        return self._key
 
     def _next_call_index(self) -> int:
         self._calls_made += 1

@@ -17,13 +17,13 @@ def inputs_to_device(args: tuple, schedule: Schedule, mesh) -> list:
     the stages reading it)."""
     sharding = None if mesh is None else NamedSharding(mesh, P(None, None, REPLICA))
 
-    def place(x):
+    def split(x):
         host = np.asarray(to_jax(x)) if x.dtype == torch.bfloat16 else \
             x.detach().cpu().numpy().astype(jax_dtype(x.dtype), copy=False)
-        split = split_batch(host, schedule)
-        return split if sharding is None else jax.device_put(split, sharding)
+        return split_batch(host, schedule)
 
-    return [place(x) for x in torch.utils._pytree.tree_leaves(tuple(args)) if isinstance(x, torch.Tensor)]
+    arrays = [split(x) for x in torch.utils._pytree.tree_leaves(tuple(args)) if isinstance(x, torch.Tensor)]
+    return arrays if sharding is None else jax.device_put(arrays, sharding)   # one batched copy
 
 
 def output_to_host(array, dtype: torch.dtype) -> torch.Tensor:

@@ -200,24 +200,34 @@ def test_state_dict_after_training_shows_device_weights():
         torch.testing.assert_close(ipu.state_dict()[name], value, rtol=RTOL, atol=ATOL, msg=name)
 
 
-def test_set_optimizer_changes_learning_rate_without_recompiling():
+@pytest.mark.parametrize("set_optimizer", [True, False], ids=["setOptimizer", "param_groups_edited"])
+def test_set_optimizer_changes_learning_rate_without_recompiling(set_optimizer, monkeypatch):
+    """A new learning rate reaches the device whether or not setOptimizer is called (a scheduler
+    edits param_groups); the hyper-parameters are rebuilt only when they change."""
+    from ipu_backend.runtime.optimizers import OptimizerRule
+    built = []
+    original = OptimizerRule.hyperparameters
+    monkeypatch.setattr(OptimizerRule, "hyperparameters",
+                        lambda rule, optimizer: built.append(1) or original(rule, optimizer))
     torch.manual_seed(8)
     reference = Regression()
     ipu = copy.deepcopy(reference)
-    x, y = data(8)
+    x, y = data(10)
     torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
     ipu_optimizer = torch.optim.SGD(ipu.parameters(), lr=0.05)
     model = poptorch.trainingModel(ipu, optimizer=ipu_optimizer)
-    for step, lr in enumerate((0.05, 0.2, 0.01)):
+    for step, lr in enumerate((0.05, 0.2, 0.2, 0.01, 0.01)):
         for group in torch_optimizer.param_groups + ipu_optimizer.param_groups:
             group["lr"] = lr
-        model.setOptimizer(ipu_optimizer)
+        if set_optimizer:
+            model.setOptimizer(ipu_optimizer)
         rows = slice(step * 2, step * 2 + 2)
         torch_optimizer.zero_grad()
         reference(x[rows], y[rows])[1].backward()
         torch_optimizer.step()
         model(x[rows], y[rows])
     assert len(model._compiled) == 1
+    assert len(built) == 3, "hyper-parameters are built once per distinct learning rate"
     assert_params_equal(ipu, reference)
 
 
