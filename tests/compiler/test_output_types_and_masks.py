@@ -1,14 +1,17 @@
-"""Outputs of torch's named-tuple types (``torch.return_types.*``) keep their structure, and
-boolean-mask indexing (a data-dependent shape) is refused with a clear error."""
+"""Outputs of torch's named-tuple types (``torch.return_types.*``) keep their structure;
+boolean-mask indexing (a data-dependent shape) is refused with a clear error; attention rows
+whose every key is masked give torch's zeros and zero gradients."""
 
 import jax
 import pytest
 import torch
+import torch.nn.functional as F
 
 import ipu_backend
 from ipu_backend import Error
 from ipu_backend.compiler import compile_module, to_jax
 from tests.compiler.harness import assert_close
+from tests.compiler.model_harness import check_model
 
 THIS_FILE = __file__
 
@@ -72,3 +75,20 @@ def test_boolean_mask_indexing_names_the_op_the_line_and_the_fix():
     assert "aten.index.Tensor" in message and "boolean mask" in message
     assert f"{THIS_FILE}:{line_of('# boolean-mask indexing')}" in message
     assert "torch.where" in message and "masked_fill" in message
+
+
+class SelfAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        q = self.proj(x).view(2, 5, 2, 4).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+
+def test_attention_row_with_every_key_masked_gives_zeros_and_zero_gradients():
+    torch.manual_seed(0)
+    mask = torch.rand(5, 5) < 0.6
+    mask[2] = False
+    check_model(SelfAttention(), (torch.randn(2, 5, 8), mask))

@@ -1,9 +1,12 @@
 """Lowerings: comparisons, ``where`` and logical ops."""
 
+import math
+
 import jax.numpy as jnp
 import torch
 
 from ipu_backend.compiler.dtypes import jax_dtype
+from ipu_backend.compiler.lowerings.reductions import softmax_values
 from ipu_backend.compiler.registry import lowering
 
 aten = torch.ops.aten
@@ -39,7 +42,35 @@ for _ops, _fn in {
 @lowering(aten.where.self)
 def where(ctx, condition, x, y):
     dtype = jax_dtype(ctx.out.dtype)
+    softmax_input = _safe_softmax_input(ctx.node)
+    if softmax_input is not None and ctx.value_of(softmax_input[0]) is not None:
+        return softmax_values(ctx.value_of(softmax_input[0]), softmax_input[1], dtype,
+                              all_minus_inf_rows_to_zero=True)
     return jnp.where(condition, jnp.asarray(x, dtype), jnp.asarray(y, dtype))
+
+
+def _safe_softmax_input(node):
+    """``(scores node, dim)`` where ``node`` is torch's ``_safe_softmax`` decomposed (attention's
+    softmax): ``where(~any(scores != -inf, dim), 0, softmax(scores, dim))``; else None. Lowered
+    as one softmax whose all -inf rows are zero, the where's inputs are left unused."""
+    condition, zeros, values = node.args
+
+    def call(arg, op):
+        return isinstance(arg, torch.fx.Node) and arg.target is op
+
+    if not (call(values, aten._softmax.default) and call(zeros, aten.full_like.default)
+            and zeros.args[1] == 0 and call(condition, aten.logical_not.default)):
+        return None
+    scores, dim = values.args[:2]
+    found = condition.args[0]
+    if not (call(found, aten.any.dim) and call(found.args[0], aten.logical_not.default)):
+        return None
+    finite = found.args[0].args[0]
+    ndim = scores.meta["val"].ndim
+    if not (call(finite, aten.eq.Scalar) and finite.args[0] is scores
+            and finite.args[1] == -math.inf and found.args[1] % ndim == dim % ndim):
+        return None
+    return scores, dim
 
 
 def _truth(x):

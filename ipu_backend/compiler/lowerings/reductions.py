@@ -401,11 +401,25 @@ def _shifted(x, axis):
     return wide - jax.lax.stop_gradient(jnp.max(wide, axis=axis, keepdims=True))
 
 
+def softmax_values(x, dim, out_dtype, all_minus_inf_rows_to_zero=False):
+    """``exp(x - max) / sum`` along ``dim``. With ``all_minus_inf_rows_to_zero`` a row of only
+    -inf gives zeros (and zero gradients) instead of NaN, as torch's ``_safe_softmax`` in
+    attention does: only such rows' shift and total change, so every other row keeps softmax's
+    numbers, and the computation stays the one chain XLA:CPU fuses with attention's products."""
+    axes = _axes(dim, x.ndim)
+    if not all_minus_inf_rows_to_zero:
+        exps = jnp.exp(_shifted(x, axes))
+        return (exps / jnp.sum(exps, axis=axes, keepdims=True)).astype(out_dtype)
+    wide = _widen(x)
+    peak = jax.lax.stop_gradient(jnp.max(wide, axis=axes, keepdims=True))
+    exps = jnp.exp(wide - jnp.where(peak == -jnp.inf, jnp.zeros((), peak.dtype), peak))
+    total = jnp.sum(exps, axis=axes, keepdims=True)  # >= 1 (the maximum's term) unless all -inf
+    return (exps / jnp.where(total == 0, jnp.ones((), total.dtype), total)).astype(out_dtype)
+
+
 @lowering(aten._softmax.default)
 def softmax(ctx, x, dim, half_to_float=False):
-    axes = _axes(dim, x.ndim)
-    exps = jnp.exp(_shifted(x, axes))
-    return (exps / jnp.sum(exps, axis=axes, keepdims=True)).astype(_out_dtype(ctx))
+    return softmax_values(x, dim, _out_dtype(ctx))
 
 
 @lowering(aten._log_softmax.default)
