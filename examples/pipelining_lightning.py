@@ -3,6 +3,8 @@ with ``poptorch.BeginBlock``, one per emulated IPU, and ``IPUStrategy`` trains t
 sharded) with AdamW and gradient accumulation 10 on the digits upsampled to 28×28.
 
     python pipelining_lightning.py [--strategy sharded] [--epochs 15] [--offload-optimiser]
+    python pipelining_lightning.py --epochs 2 --train-images 560 --test-images 80 --learning-rate 0.003 \
+        --device-iterations 1 --gradient-accumulation 7        # CI's reduced run
 """
 
 import argparse
@@ -54,12 +56,17 @@ def main(argv=None) -> float:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--learning-rate", type=float, default=0.001)
     parser.add_argument("--offload-optimiser", action="store_true")
+    parser.add_argument("--device-iterations", type=int, default=2)
+    parser.add_argument("--gradient-accumulation", type=int, default=10, help="≥ 7 for a 4-stage pipeline")
+    parser.add_argument("--train-images", type=int, default=None, help="train on the first N images only")
+    parser.add_argument("--test-images", type=int, default=None, help="test on the first N images only")
     args = parser.parse_args(argv)
 
     pl.seed_everything(0)
-    (train_x, train_y), (test_x, test_y) = digits_tensors()
-    training_opts = poptorch.Options().deviceIterations(2)
-    training_opts.Training.gradientAccumulation(10)
+    (train_x, train_y), (test_x, test_y) = digits_tensors(train_images=args.train_images,
+                                                          test_images=args.test_images)
+    training_opts = poptorch.Options().deviceIterations(args.device_iterations)
+    training_opts.Training.gradientAccumulation(args.gradient_accumulation)
     training_opts.setExecutionStrategy(execution_strategy(args.strategy))
     if args.offload_optimiser:
         training_opts.TensorLocations.setOptimizerLocation(
@@ -70,8 +77,9 @@ def main(argv=None) -> float:
                                                             inference_opts=inference_opts))
     model = DigitsClassifier(args.learning_rate)
     trainer.fit(model, DataLoader(TensorDataset(train_x, train_y), batch_size=args.batch_size, shuffle=True))
+    train_loss = trainer.callback_metrics["train_loss"].item()  # trainer.test clears callback_metrics
     result = trainer.test(model, DataLoader(TensorDataset(test_x, test_y), batch_size=8), verbose=False)
-    print(f"train loss {trainer.callback_metrics['train_loss']:.4f}; test accuracy "
+    print(f"train loss {train_loss:.4f}; test accuracy "
           f"{result[0]['test_accuracy']:.2f}% on the test batches that fill whole host calls")
     return result[0]["test_accuracy"]
 
