@@ -15,7 +15,8 @@ to 28×28:
 
     python lightning_tutorial.py                       # 3 epochs on 4 IPUs
     python lightning_tutorial.py --profile             # also writes the reports to ipu_reports/
-    python lightning_tutorial.py --epochs 1 --train-images 256 --test-images 64    # CI's reduced run
+    python lightning_tutorial.py --epochs 1 --train-images 384 --test-images 32 \
+        --device-iterations 1 --gradient-accumulation 3 --profile     # CI's reduced run
 
 Prints the training loss of the first and last batch, the validation accuracy per epoch and the
 test accuracy.

@@ -12,7 +12,8 @@ sized by those options, a model that returns its loss, ``poptorch.trainingModel`
 scikit-learn's handwritten digits upsampled to 28×28 (an MNIST stand-in that ships offline).
 
     python porting_poptorch.py                                            # 4 epochs, full data
-    python porting_poptorch.py --epochs 1 --train-images 512 --test-images 128    # CI's reduced run
+    python porting_poptorch.py --epochs 2 --train-images 384 --test-images 64 \
+        --device-iterations 1 --gradient-accumulation 1                  # CI's reduced run
 
 Prints the loss per epoch and the test accuracy.
 """

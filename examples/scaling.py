@@ -8,7 +8,7 @@ every replica applies the same update. Here the global batch stays fixed (micro-
 weights, and the per-step losses are compared with a plain torch training loop.
 
     python scaling.py                                          # 3 epochs, writes scaling.png
-    python scaling.py --epochs 1 --train-images 128 --plot /tmp/scaling.png    # CI's reduced run
+    python scaling.py --replicas 1 8 --epochs 1 --train-images 192 --device-iterations 1    # CI's reduced run
 
 Prints each run's loss per epoch and the largest relative deviation of any step's loss between the
 curves and from torch eager; exits with status 1 if either exceeds ``--tolerance`` (1e-5, the
