@@ -135,14 +135,15 @@ def test_pipelining_lightning_learns(capsys):
 def test_lightning_digits_yaml_through_the_cli(tmp_path):
     from lightning_ipu.cli import main
     main(["fit", "--config", str(EXAMPLES / "lightning_digits.yaml"), "--trainer.max_epochs", "1",
-          "--trainer.limit_train_batches", "8", "--trainer.limit_val_batches", "2",
-          "--trainer.log_every_n_steps", "2", "--trainer.enable_progress_bar", "false",
+          "--trainer.limit_train_batches", "16", "--trainer.limit_val_batches", "2",
+          "--trainer.strategy.init_args.training_opts.init_args.device_iterations", "1",
+          "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
           "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", str(tmp_path),
           "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(tmp_path)])
     (metrics,) = tmp_path.glob("**/metrics.csv")
     rows = list(csv.DictReader(metrics.open()))
     losses = [float(row["train_loss"]) for row in rows if row.get("train_loss")]
-    assert len(losses) == 8 and all(math.isfinite(loss) for loss in losses)   # 8 batches of 2 steps
+    assert len(losses) == 16 and all(math.isfinite(loss) for loss in losses)
     assert losses[-1] < losses[0]
     (checkpoint,) = tmp_path.glob("**/*.ckpt")
     assert torch.load(checkpoint, weights_only=False)["global_step"] == 16
