@@ -42,15 +42,17 @@ def _scaled_sum(bias, product, beta, alpha):
 
 
 def _rows_product(ctx, x, y):
-    """``x @ y`` for 2-D ``x``. Where ``x`` is a view that only merges the leading dims of a
-    tensor with the same last dim (``F.linear`` on N-D inputs decomposes so), multiply that
-    tensor itself: the weight's gradient then contracts over those dims, a form XLA:CPU hands
-    to its fast matrix kernels, where contracting the merged rows of the view is not."""
+    """``x @ y`` for 2-D ``x``. Where ``x`` is a view of a tensor of higher rank (``F.linear`` on
+    N-D inputs decomposes so), its rows are multiplied as that tensor's first dim by the rest:
+    the weight's gradient then contracts two dims, which XLA:CPU lays out for its fast matrix
+    kernels, where contracting the rows of one 2-D operand it does not."""
     node = ctx.node.args[1 if ctx.node.target is aten.addmm.default else 0]
-    if isinstance(node, torch.fx.Node) and node.target is aten.view.default:
-        source = ctx.value_of(node.args[0])
-        if source is not None and source.ndim > 2 and source.shape[-1] == x.shape[-1]:
-            return jnp.reshape(einsum("...j,jk->...k", source, y), (x.shape[0], y.shape[1]))
+    if isinstance(node, torch.fx.Node) and node.target is aten.view.default \
+            and node.args[0].meta["val"].ndim > 2:
+        rows, outer = x.shape[0], node.args[0].meta["val"].shape[0]
+        if 1 < outer < rows and rows % outer == 0:
+            batched = jnp.reshape(x, (outer, rows // outer, x.shape[1]))
+            return jnp.reshape(einsum("abj,jk->abk", batched, y), (rows, y.shape[1]))
     return einsum("ij,jk->ik", x, y)
 
 
