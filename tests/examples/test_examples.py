@@ -34,7 +34,7 @@ def examples_importable():
 def isolated(tmp_path, monkeypatch):
     """Each run in its own directory, leaving torch's random state and Lightning's seed variable as they were."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PL_GLOBAL_SEED", "0")        # restored (unset) afterwards; the examples seed 0
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")        # restored afterwards; the examples seed 0
     with torch.random.fork_rng(devices=[]):
         yield
 
