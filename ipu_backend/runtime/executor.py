@@ -255,6 +255,14 @@ class PoplarExecutor:
         if self._opt_state is not None and self._schedule().master_weights:
             self._opt_state = {**self._opt_state, "master": master_copy(self._store.params)}
 
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """The wrapped model's ``load_state_dict``, then its weights go to the device (as PopTorch
+        does), so the next call runs with the loaded values."""
+        self.copyWeightsToHost()
+        result = torch.nn.Module.load_state_dict(self._user_model, state_dict, strict)
+        self.copyWeightsToDevice()
+        return result
+
     def setOptimizer(self, optimizer) -> None:
         """Use ``optimizer``'s hyper-parameters from the next call on; they are program inputs,
         so this never recompiles unless the optimizer's kind or parameter groups change."""

@@ -187,6 +187,11 @@ def test_training_and_inference_models_share_weights_and_host_edits_reach_the_de
         net.out.bias.add_(1.0)
     inference.copyWeightsToDevice()
     torch.testing.assert_close(inference(x), after + 1.0, rtol=RTOL, atol=ATOL)
+    training(x, y)                                  # the host copy is stale again: loading wins over it
+    fresh = Regression()
+    inference.load_state_dict(fresh.state_dict())  # PopTorch's executor method: loads and copies to the device
+    torch.testing.assert_close(inference(x), fresh(x), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(net.out.weight, fresh.out.weight, rtol=0, atol=0)
 
 
 def test_state_dict_after_training_shows_device_weights():
