@@ -7,16 +7,33 @@ reserve_cpu_devices()
 from ipu_backend import optim  # noqa: E402
 from ipu_backend.compiler.custom_ops import identity_loss  # noqa: E402
 from ipu_backend.data import DataLoader  # noqa: E402
-from ipu_backend.enums import DataLoaderMode, MeanReductionStrategy, OutputMode, ReductionType  # noqa: E402
+from ipu_backend.enums import (  # noqa: E402
+    CommGroupType,
+    ConnectionType,
+    DataLoaderMode,
+    HalfFloatCastingBehavior,
+    Liveness,
+    MatMulSerializationMode,
+    MeanReductionStrategy,
+    MultiConvPlanType,
+    OutputMode,
+    OverlapMode,
+    ReductionType,
+    SharingStrategy,
+    SyncPattern,
+    VariableRetrievalMode,
+)
 from ipu_backend.errors import Error  # noqa: E402
 from ipu_backend.models import inferenceModel, trainingModel  # noqa: E402
 from ipu_backend.options import Options, TensorLocationSettings  # noqa: E402
 from ipu_backend.runtime.executor import PoplarExecutor  # noqa: E402
 
 __all__ = [
-    "DataLoader", "DataLoaderMode", "Error", "MeanReductionStrategy", "Options", "OutputMode",
-    "PoplarExecutor", "ReductionType", "TensorLocationSettings", "identity_loss", "inferenceModel",
-    "optim", "trainingModel",
+    "CommGroupType", "ConnectionType", "DataLoader", "DataLoaderMode", "Error",
+    "HalfFloatCastingBehavior", "Liveness", "MatMulSerializationMode", "MeanReductionStrategy",
+    "MultiConvPlanType", "Options", "OutputMode", "OverlapMode", "PoplarExecutor", "ReductionType",
+    "SharingStrategy", "SyncPattern", "TensorLocationSettings", "VariableRetrievalMode",
+    "identity_loss", "inferenceModel", "optim", "trainingModel",
 ]
 
 from ipu_backend.blocks import (  # noqa: E402
