@@ -20,12 +20,13 @@ def tree_bytes(tree) -> int:
                if not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key))
 
 
-def single_ipu_usage(executable, state: dict, replicas_per_device: int) -> list[memory.IpuMemory]:
+def single_ipu_usage(executable, state: dict, replicas_per_device: int,
+                     optimizer_offloaded: bool = False) -> list[memory.IpuMemory]:
     """The estimate of one replica of a single-IPU program called with ``state``."""
     analysis = executable.memory_analysis()
     temporaries = 0 if analysis is None else int(analysis.temp_size_in_bytes) // replicas_per_device
     stage = memory.StageMemory(
         stage=0, ipu=0, weights=tree_bytes(state["params"]) + tree_bytes(state["buffers"]),
         optimizer=tree_bytes(state.get("opt")), accumulators=0, stash_per_micro_batch=0,
-        stashed_micro_batches=0, temporaries=temporaries, optimizer_offloaded=False)
+        stashed_micro_batches=0, temporaries=temporaries, optimizer_offloaded=optimizer_offloaded)
     return memory.estimate([stage])

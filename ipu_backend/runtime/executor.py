@@ -230,6 +230,9 @@ class PoplarExecutor:
             self._opt_state, self._scaler = state["opt"], state["scaler"]
         self._store.update(state["params"], state["buffers"])
         self._resident = None if compiled.multi_ipu else state
+        if self._offloads_optimizer_state(compiled):
+            host_memory = NamedSharding(self._mesh(), P(), memory_kind="pinned_host")
+            self._opt_state = jax.device_put(self._opt_state, host_memory)
         self.last_program = compiled.program
         arrays, logs = jax.device_get((arrays, logs))      # one transfer for every output
         self.last_logs = {name: output_to_host(value, compiled.log_dtypes[name]) for name, value in logs.items()}
@@ -396,6 +399,13 @@ class PoplarExecutor:
             state = jax.device_put(state, NamedSharding(mesh, P()))
         return (state, inputs, hyper, key) if self._training else (state, inputs, key)
 
+    def _offloads_optimizer_state(self, compiled: _Compiled) -> bool:
+        """``setOptimizerLocation(...useOnChipStorage(False))`` on one IPU: between calls the
+        optimizer state lives in host memory; the next call streams it in (split models do this
+        per stage in runtime/pipeline.py)."""
+        return (self._training and not compiled.multi_ipu
+                and not self._options.TensorLocations.optimizer_on_chip)
+
     def _is_resident(self, state: dict) -> bool:
         """Whether ``state`` is what the last call left on the mesh (nothing replaced it since)."""
         last = self._resident
@@ -430,7 +440,8 @@ class PoplarExecutor:
         executable = compiled.call.lower(*call_args).compile()
         if not compiled.multi_ipu:
             replicas = self._schedule().replicas
-            usage = single_ipu_usage(executable, call_args[0], replicas // replica_mesh(replicas).size)
+            usage = single_ipu_usage(executable, call_args[0], replicas // replica_mesh(replicas).size,
+                                     optimizer_offloaded=self._offloads_optimizer_state(compiled))
             memory.check(usage, *memory.in_force(self._options))
         compiled.executable = executable
         self._profiler.compiled(self, compiled, call_args)

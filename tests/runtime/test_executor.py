@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import ipu_backend as poptorch
+from ipu_backend.runtime import executor as executor_module
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -428,3 +429,29 @@ def test_batchnorm_statistics_are_per_replica_and_buffers_come_from_replica_zero
     assert_params_equal(ipu, reference)
     for name, buffer in replicas[0].named_buffers():
         torch.testing.assert_close(dict(ipu.named_buffers())[name], buffer, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_offloaded_optimizer_state_of_one_ipu_lives_in_host_memory_with_unchanged_numbers(monkeypatch):
+    """setOptimizerLocation(useOnChipStorage(False)) on a single-IPU model, 2 replicas: AdamW's
+    moments stay in host memory between calls, are left out of the IPU's memory, and the
+    numbers equal torch's large-batch AdamW steps."""
+    torch.manual_seed(11)
+    reference = Regression()
+    ipu = copy.deepcopy(reference)
+    x, y = data(16)
+    torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    for xs, ys in zip(x.split(8), y.split(8)):
+        torch_optimizer.zero_grad()
+        reference(xs, ys)[1].backward()
+        torch_optimizer.step()
+    opts = poptorch.Options().replicationFactor(2)
+    opts.TensorLocations.setOptimizerLocation(poptorch.TensorLocationSettings().useOnChipStorage(False))
+    checked = []
+    monkeypatch.setattr(executor_module.memory, "check", lambda usage, *setting: checked.append(usage))
+    model = poptorch.trainingModel(ipu, opts, optimizer=torch.optim.AdamW(ipu.parameters(), lr=0.01))
+    for xs, ys in zip(x.split(8), y.split(8)):
+        model(xs, ys)
+    assert {leaf.sharding.memory_kind for leaf in jax.tree_util.tree_leaves(model._opt_state)} == {"pinned_host"}
+    [[ipu0]] = checked
+    assert ipu0.optimizer == 0 and ipu0.offloaded > 0
+    assert_params_equal(ipu, reference)
