@@ -25,14 +25,16 @@ from seed_cnn import SeedCNN
 
 
 class DigitsDataModule(pl.LightningDataModule):
-    """scikit-learn's digits: 80% training (shuffled), 20% validation and test."""
+    """scikit-learn's digits: 80% training (shuffled), 20% validation and test; ``train_images``
+    and ``test_images`` cut them down for quick runs."""
 
-    def __init__(self, batch_size: int = 8):
+    def __init__(self, batch_size: int = 8, train_images: int | None = None, test_images: int | None = None):
         super().__init__()
-        self.batch_size = batch_size
+        self.batch_size, self.train_images, self.test_images = batch_size, train_images, test_images
 
     def setup(self, stage: str) -> None:
-        (train_x, train_y), (test_x, test_y) = digits_tensors()
+        (train_x, train_y), (test_x, test_y) = digits_tensors(train_images=self.train_images,
+                                                              test_images=self.test_images)
         self.train, self.test = TensorDataset(train_x, train_y), TensorDataset(test_x, test_y)
 
     def train_dataloader(self):

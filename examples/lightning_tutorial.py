@@ -29,33 +29,10 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 import ipu_backend as poptorch
-from digits import digits_tensors
+from lightning_digits import DigitsDataModule
 from lightning_ipu import IPUStrategy
-
-
-class DigitsData(pl.LightningDataModule):
-    """The digits: shuffled training data; the held-out fifth for validation and test."""
-
-    def __init__(self, batch_size: int, train_images: int | None = None, test_images: int | None = None):
-        super().__init__()
-        self.batch_size, self.train_images, self.test_images = batch_size, train_images, test_images
-
-    def setup(self, stage: str) -> None:
-        (train_x, train_y), (test_x, test_y) = digits_tensors(train_images=self.train_images,
-                                                              test_images=self.test_images)
-        self.train, self.test = TensorDataset(train_x, train_y), TensorDataset(test_x, test_y)
-
-    def train_dataloader(self):
-        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True)
-
-    def val_dataloader(self):
-        return DataLoader(self.test, batch_size=self.batch_size)
-
-    def test_dataloader(self):
-        return DataLoader(self.test, batch_size=self.batch_size)
 
 
 class DigitsClassifier(pl.LightningModule):
@@ -137,8 +114,8 @@ def main(argv=None) -> float:
     trainer = pl.Trainer(accelerator="ipu", devices=args.replicas, strategy=strategy, max_epochs=args.epochs,
                          callbacks=[progress], num_sanity_val_steps=0, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    model, data = DigitsClassifier(args.learning_rate), DigitsData(args.batch_size, args.train_images,
-                                                                  args.test_images)
+    model = DigitsClassifier(args.learning_rate)
+    data = DigitsDataModule(args.batch_size, args.train_images, args.test_images)
     print(f"2 pipeline stages × {args.replicas} replicas = {2 * args.replicas} IPUs; each optimizer step "
           f"sees {args.gradient_accumulation} × {args.replicas} micro-batches of {args.batch_size}")
     trainer.fit(model, data)
