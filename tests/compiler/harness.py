@@ -138,3 +138,12 @@ def check_case(case: OpCase, dtype: torch.dtype, seed: int = 0):
         if e is None:
             e = torch.zeros_like(grad_inputs[pos])
         assert_close(a, e, rtol, atol, f"{case.name} gradient of input {pos}")
+
+
+def line_of(path: str, marker: str) -> int:
+    """The line number in ``path`` of the line holding ``marker`` (for source-location checks)."""
+    with open(path) as source:
+        for number, line in enumerate(source, 1):
+            if marker in line and "line_of(" not in line:
+                return number
+    raise AssertionError(marker)

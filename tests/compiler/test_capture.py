@@ -10,18 +10,9 @@ import torch.nn.functional as F
 
 from ipu_backend import Error
 from ipu_backend.compiler import compile_module, to_jax
-from tests.compiler.harness import assert_close
+from tests.compiler.harness import assert_close, line_of
 
 THIS_FILE = __file__
-
-
-def line_of(marker: str) -> int:
-    """The line number in this file of the line containing ``marker``."""
-    with open(THIS_FILE) as source:
-        for number, line in enumerate(source, 1):
-            if marker in line and "line_of(" not in line:
-                return number
-    raise AssertionError(marker)
 
 
 def run(program, module, *args, seed=0):
@@ -113,7 +104,7 @@ def test_source_locations_point_at_user_lines():
             return torch.relu(x)  # relu-line
 
     program = compile_module(Net(), (torch.randn(3),))
-    assert f"{THIS_FILE}:{line_of('# relu-line')}" in program.source_locations["relu"]
+    assert f"{THIS_FILE}:{line_of(THIS_FILE, '# relu-line')}" in program.source_locations["relu"]
 
 
 def test_unsupported_op_names_the_op_and_the_user_line():
@@ -125,7 +116,7 @@ def test_unsupported_op_names_the_op_and_the_user_line():
         compile_module(Spectral(), (torch.randn(8),))
     message = str(info.value)
     assert "aten._fft_r2c.default" in message
-    assert f"{THIS_FILE}:{line_of('# fft-line')}" in message
+    assert f"{THIS_FILE}:{line_of(THIS_FILE, '# fft-line')}" in message
     assert "register a lowering" in message
 
 
@@ -139,7 +130,7 @@ def test_data_dependent_branch_explains_and_points_to_torch_cond():
     with pytest.raises(Error) as info:
         compile_module(Branchy(), (torch.randn(3),))
     message = str(info.value)
-    assert f"{THIS_FILE}:{line_of('# branch-line')}" in message
+    assert f"{THIS_FILE}:{line_of(THIS_FILE, '# branch-line')}" in message
     assert "torch.cond" in message and re.search(r"branches on the value of a tensor", message)
 
 

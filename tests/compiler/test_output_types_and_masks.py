@@ -10,19 +10,10 @@ import torch.nn.functional as F
 import ipu_backend
 from ipu_backend import Error
 from ipu_backend.compiler import compile_module, to_jax
-from tests.compiler.harness import assert_close
+from tests.compiler.harness import assert_close, line_of
 from tests.compiler.model_harness import check_model
 
 THIS_FILE = __file__
-
-
-def line_of(marker: str) -> int:
-    """The line number in this file of the line containing ``marker``."""
-    with open(THIS_FILE) as source:
-        for number, line in enumerate(source, 1):
-            if marker in line and "line_of(" not in line:
-                return number
-    raise AssertionError(marker)
 
 
 class NamedTupleOutputs(torch.nn.Module):
@@ -73,7 +64,7 @@ def test_boolean_mask_indexing_names_the_op_the_line_and_the_fix():
         compile_module(MaskedSum(), (torch.randn(3, 4),))
     message = str(error.value)
     assert "aten.index.Tensor" in message and "boolean mask" in message
-    assert f"{THIS_FILE}:{line_of('# boolean-mask indexing')}" in message
+    assert f"{THIS_FILE}:{line_of(THIS_FILE, '# boolean-mask indexing')}" in message
     assert "torch.where" in message and "masked_fill" in message
 
 
