@@ -106,8 +106,10 @@ def _conv_xla(x, weight, *, window_strides, pads, input_dilation, kernel_dilatio
 
 @_jit_with_static_keywords
 def _conv_im2col(x, weight, *, window_strides, pads, input_dilation, kernel_dilation, groups):
-    """Channels-last, pad (and dilate) the input, take one strided slice per kernel offset, and
-    contract the stacked slices with the kernel in one matrix product (batched over groups).
+    """Channels-last, pad (and dilate) the input once, concatenate one strided slice per kernel
+    offset on the channels (tap-major, channel-minor columns), and contract the columns with the
+    kernel laid out to match: one 2-D matrix product without groups, so that neither product's
+    gradient needs a layout copy, or one batched over groups.
     Half precision is computed in float32, where its products are exact, so that the input's
     gradient, which sums one term per kernel offset, is rounded once, as torch's is."""
     dtype = accumulation_dtype(x.dtype) or x.dtype
@@ -119,13 +121,20 @@ def _conv_im2col(x, weight, *, window_strides, pads, input_dilation, kernel_dila
     out_size = [(size - d * (k - 1) - 1) // s + 1
                 for size, k, d, s in zip(x.shape[1:-1], kernel, kernel_dilation, window_strides)]
     taps = _window_slices(x, 1, out_size, kernel, window_strides, kernel_dilation)
-    batch, channels = x.shape[0], x.shape[-1]
-    columns = jnp.stack(taps, axis=-2).reshape(batch, *out_size, len(taps), groups,
-                                               channels // groups)
-    out_channels = weight.shape[0]
-    weight = jnp.moveaxis(weight.astype(dtype).reshape(groups, out_channels // groups,
-                                                       channels // groups, len(taps)), -1, 2)
-    out = jnp.einsum("...kgc,gokc->...go", columns, weight, precision=lax.Precision.HIGHEST)
+    columns = jnp.concatenate(taps, axis=-1)
+    rows = columns.reshape(-1, columns.shape[-1])
+    out_channels, channels_per_group = weight.shape[:2]
+    # (out, in/groups, *kernel) -> (*kernel, in/groups, out): rows of the columns' order
+    weight = jnp.moveaxis(weight.astype(dtype), (0, 1), (-1, -2))
+    if groups == 1:
+        out = jnp.matmul(rows, weight.reshape(-1, out_channels),
+                         precision=lax.Precision.HIGHEST)
+    else:
+        weight = weight.reshape(len(taps), channels_per_group, groups, out_channels // groups)
+        out = jnp.einsum("nkgc,kcgo->ngo", rows.reshape(-1, len(taps), groups,
+                                                         channels_per_group),
+                         weight, precision=lax.Precision.HIGHEST)
+    batch = x.shape[0]
     return jnp.moveaxis(out.reshape(batch, *out_size, out_channels), -1, 1)
 
 
