@@ -37,6 +37,12 @@ class MetricState:
         return f"{STATE_PREFIX}{self.metric}.{self.attribute}"
 
 
+def totals_of(logs) -> dict:
+    """Logged name -> reduction ("sum" | "max" | "min") of the metric states among a program's
+    ``self.log`` calls: the call reduces these over all its micro-batches."""
+    return {call.name: call.state.reduction for call in logs if call.state is not None}
+
+
 def is_metric(value) -> bool:
     try:
         from torchmetrics import Metric

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from ipu_backend.compiler import compile_module
 from ipu_backend.compiler.custom_ops import IDENTITY_LOSS
-from ipu_backend.compiler.metric_states import TOTAL_SUFFIX
+from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, totals_of
 from ipu_backend.enums import OutputMode, ReductionType
 from ipu_backend.errors import Error
 from ipu_backend.profiling import recorder_for
@@ -439,8 +439,7 @@ class PoplarExecutor:
             return
         executable = compiled.call.lower(*call_args).compile()
         if not compiled.multi_ipu:
-            replicas = self._schedule().replicas
-            usage = single_ipu_usage(executable, call_args[0], replicas // replica_mesh(replicas).size,
+            usage = single_ipu_usage(executable, call_args[0], self._schedule().replicas // self._mesh().size,
                                      optimizer_offloaded=self._offloads_optimizer_state(compiled))
             memory.check(usage, *memory.in_force(self._options))
         compiled.executable = executable
@@ -465,7 +464,7 @@ class PoplarExecutor:
         dtypes = [n.meta["val"].dtype for n in results]
         log_names = [call.name for call in program.logs if call.is_tensor]
         log_dtypes = {name: n.meta["val"].dtype for name, n in zip(log_names, nodes[len(results):])}
-        totals = {call.name: call.state.reduction for call in program.logs if call.state is not None}
+        totals = totals_of(program.logs)
         log_dtypes.update({name + TOTAL_SUFFIX: log_dtypes[name] for name in totals})
         if has_blocks(program.graph_module):        # split over IPUs: runtime/pipeline.py
             from ipu_backend.runtime.pipeline import build_for

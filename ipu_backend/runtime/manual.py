@@ -52,7 +52,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ipu_backend.compiler import compile_module
-from ipu_backend.compiler.metric_states import TOTAL_SUFFIX
+from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, totals_of
 from ipu_backend.enums import OutputMode
 from ipu_backend.errors import Error
 from ipu_backend.profiling import recorder_for
@@ -70,8 +70,7 @@ from ipu_backend.runtime.step import (
     _from_replica_zero,
     _loop,
     _replica_keys,
-    _select_outputs,
-    _totals,
+    call_outputs,
     initial_scaler,
 )
 from ipu_backend.runtime.weights import release, weight_store
@@ -353,7 +352,7 @@ class ManualStepExecutor:
         log_names = [call.name for call in program.logs if call.is_tensor]
         log_nodes = nodes[len(nodes) - len(log_names):] if log_names else []
         log_dtypes = {name: n.meta["val"].dtype for name, n in zip(log_names, log_nodes)}
-        totals = {call.name: call.state.reduction for call in program.logs if call.state is not None}
+        totals = totals_of(program.logs)
         log_dtypes.update({name + TOTAL_SUFFIX: log_dtypes[name] for name in totals})
         call = _manual_call(program, micro, tuple(events.events), events.groups, rules, schedule,
                             replica_mesh(schedule.replicas), layout, totals, self._scaler is not None)
@@ -490,9 +489,7 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
         carry = (state["params"], state["buffers"], state["opt"], state["scaler"])
         (params, buffers, opt_states, scaler), ys = _loop(iteration, carry, (inputs, keys, hypers),
                                                           schedule.device_iterations)
-        reduced = _totals(ys[1], totals)
-        arrays, logs = _select_outputs(ys, schedule)
-        arrays, logs = jax.tree.map(lambda y: jnp.moveaxis(y, 2, 0), (arrays, {**logs, **reduced}))
+        arrays, logs = call_outputs(*ys, schedule, totals)
         return {"params": params, "buffers": buffers, "opt": opt_states, "scaler": scaler}, arrays, logs
 
     sharded = jax.shard_map(device_program, mesh=mesh, in_specs=(P(), P(None, None, REPLICA), P(), P()),

@@ -80,6 +80,15 @@ def _totals(logs: dict, totals: dict) -> dict:
             for name, how in totals.items()}
 
 
+def call_outputs(arrays, logs: dict, schedule: Schedule, totals: dict) -> tuple:
+    """A call's per-micro-batch outputs and logs ``[D, A, r, ...]`` as the program returns them:
+    selected by the output mode, with the metric ``totals`` over every micro-batch added, and
+    moved to ``[r, D', A', ...]`` so the replica axis is gathered first."""
+    reduced = _totals(logs, totals)
+    arrays, logs = _select_outputs((arrays, logs), schedule)
+    return jax.tree.map(lambda y: jnp.moveaxis(y, 2, 0), (arrays, {**logs, **reduced}))
+
+
 _ARRAY = object()
 """Marks an array leaf in ``OutputLayout.static`` (None is a leaf value of its own)."""
 
@@ -228,11 +237,7 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
                               schedule.accumulation > 1 else "xla"):
             (params, buffers, opt_state, scaler, _), (arrays, logs) = _loop(
                 iteration, carry, (inputs, keys), schedule.device_iterations)
-        reduced = _totals(logs, totals or {})
-        arrays, logs = _select_outputs((arrays, logs), schedule)
-        logs = {**logs, **reduced}
-        # [D', A', r, ...] -> [r, D', A', ...] so the replica axis is gathered first.
-        arrays, logs = jax.tree.map(lambda y: jnp.moveaxis(y, 2, 0), (arrays, logs))
+        arrays, logs = call_outputs(arrays, logs, schedule, totals or {})
         return {"params": params, "buffers": buffers, "opt": opt_state, "scaler": scaler}, arrays, logs
 
     sharded = jax.shard_map(
@@ -265,9 +270,7 @@ def inference_call(forward: Callable, schedule: Schedule, mesh, layout: OutputLa
         keys = jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(schedule.device_iterations))
         with lowering_options(conv_algorithm="im2col" if schedule.device_iterations > 1 else "xla"):
             buffers, (arrays, logs) = _loop(iteration, state["buffers"], (inputs, keys), schedule.device_iterations)
-        reduced = _totals(logs, totals or {})
-        arrays, logs = _select_outputs((arrays, logs), schedule)
-        arrays, logs = jax.tree.map(lambda y: jnp.moveaxis(y, 2, 0), (arrays, {**logs, **reduced}))
+        arrays, logs = call_outputs(arrays, logs, schedule, totals or {})
         return {"params": params, "buffers": buffers}, arrays, logs
 
     sharded = jax.shard_map(
