@@ -64,7 +64,6 @@ from ipu_backend.runtime.optimizers import optimizer_rule
 from ipu_backend.runtime.outputs import inputs_to_device, output_to_host
 from ipu_backend.runtime.step import (
     REPLICA,
-    SCALER_GROWTH_INTERVAL,
     OutputLayout,
     Schedule,
     _from_replica_zero,
@@ -72,6 +71,7 @@ from ipu_backend.runtime.step import (
     _replica_keys,
     call_outputs,
     initial_scaler,
+    next_scaler,
 )
 from ipu_backend.runtime.weights import release, weight_store
 
@@ -387,14 +387,6 @@ def _chosen(keep, new, old):
     return jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, old)
 
 
-def _next_scale(scaler: dict, finite) -> dict:
-    """torch's ``GradScaler.update`` after one optimizer step."""
-    good = jnp.where(finite, scaler["good_steps"] + 1, 0)
-    grow = good >= SCALER_GROWTH_INTERVAL
-    scale = jnp.where(finite, jnp.where(grow, scaler["scale"] * 2, scaler["scale"]), scaler["scale"] / 2)
-    return {"scale": scale, "good_steps": jnp.where(grow, 0, good)}
-
-
 def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tuple, schedule: Schedule,
                  mesh, layout: OutputLayout, totals: dict, loss_scaling: bool):
     """``call(state, inputs, hypers, key) -> (state, outputs, logs)``, jitted over the mesh, with
@@ -470,7 +462,7 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
                     current[name] = _chosen(keep, new_params[name], current[name])
                     state[name] = _chosen(keep, new_state[name], state[name])
                 if loss_scaling:
-                    scaler = _next_scale(scaler, keep)
+                    scaler = next_scaler(scaler, keep)
                 opt_states[event.optimizer] = state
                 versions[event.version] = {n: current[n] for n in groups[event.optimizer]}
                 for name in groups[event.optimizer]:

@@ -60,11 +60,11 @@ from ipu_backend.runtime.stages import (
 )
 from ipu_backend.runtime.step import (
     REPLICA,
-    SCALER_GROWTH_INTERVAL,
     OutputLayout,
     Schedule,
     initial_scaler,
     master_copy,
+    next_scaler,
     optimizer_update,
 )
 
@@ -144,15 +144,6 @@ def _weight_only(jaxpr, weight_leaves: int) -> list[bool]:
         if any(not isinstance(v, Literal) and v in dependent for v in eqn.invars):
             dependent.update(eqn.outvars)
     return [isinstance(v, Literal) or v not in dependent for v in jaxpr.outvars]
-
-
-def _next_scaler(scaler: dict, finite) -> dict:
-    """Dynamic loss scaling, as the single-IPU step: halve the scale after an overflow, double it
-    after ``SCALER_GROWTH_INTERVAL`` finite steps in a row."""
-    good = jnp.where(finite, scaler["good_steps"] + 1, 0)
-    grow = good >= SCALER_GROWTH_INTERVAL
-    scale = jnp.where(finite, jnp.where(grow, scaler["scale"] * 2, scaler["scale"]), scaler["scale"] / 2)
-    return {"scale": scale, "good_steps": jnp.where(grow, 0, good)}
 
 
 def _merge(dicts) -> dict:
@@ -381,7 +372,7 @@ class _Stage:
             finite = jnp.all(jnp.stack(finites))
             new_params, new_opt = jax.tree.map(lambda n, o: jnp.where(finite, n, o), (new_params, new_opt),
                                                (params, opt))
-            scaler = _next_scaler(scaler, finite)
+            scaler = next_scaler(scaler, finite)
         return new_params, new_opt, jax.tree.map(jnp.zeros_like, acc), scaler
 
     def _finite_body(self, acc, scaler):

@@ -134,15 +134,19 @@ def initial_scaler(initial_scale: float | None = None) -> dict:
             "good_steps": jnp.zeros((), jnp.int32)}
 
 
-def _apply_if_finite(grads, scaler, new, old):
-    """Skip a step whose gradients overflowed and halve the scale; double it after
-    ``SCALER_GROWTH_INTERVAL`` finite steps in a row."""
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-    chosen = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+def next_scaler(scaler: dict, finite) -> dict:
+    """Dynamic loss scaling after one step (torch's ``GradScaler.update``): halve the scale after
+    an overflow, double it after ``SCALER_GROWTH_INTERVAL`` finite steps in a row."""
     good = jnp.where(finite, scaler["good_steps"] + 1, 0)
     grow = good >= SCALER_GROWTH_INTERVAL
     scale = jnp.where(finite, jnp.where(grow, scaler["scale"] * 2, scaler["scale"]), scaler["scale"] / 2)
-    return chosen, {"scale": scale, "good_steps": jnp.where(grow, 0, good)}
+    return {"scale": scale, "good_steps": jnp.where(grow, 0, good)}
+
+
+def _apply_if_finite(grads, scaler, new, old):
+    """Skip a step whose gradients overflowed; the scale follows :func:`next_scaler`."""
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old), next_scaler(scaler, finite)
 
 
 def optimizer_update(rule, grads, opt_state, params, hyper, key, schedule: Schedule, rounded: tuple | None = None):
