@@ -4,8 +4,9 @@
 ``lowering_options(conv_algorithm=...)``: XLA's convolution, or im2col (static slices of the
 padded input, then one matrix product), which XLA:CPU keeps fast inside loops.
 
-Pooling gathers each output's window into a trailing axis (static slices for strided windows,
-static gathers for adaptive ones) and reduces it the way torch's CPU kernels do: max picks the
+Pooling whose windows tile the input reshapes it and reduces the window axes; other pooling
+gathers each output's window into a trailing axis (static slices for strided windows,
+static gathers for adaptive ones). Both reduce the way torch's CPU kernels do: max picks the
 first maximum in row-major window order (or the last NaN), so its index output and its
 gradient go where torch's do; averages add in window order and divide by torch's divisor.
 
@@ -106,36 +107,34 @@ def _conv_xla(x, weight, *, window_strides, pads, input_dilation, kernel_dilatio
 
 @_jit_with_static_keywords
 def _conv_im2col(x, weight, *, window_strides, pads, input_dilation, kernel_dilation, groups):
-    """Channels-last, pad (and dilate) the input once, concatenate one strided slice per kernel
-    offset on the channels (tap-major, channel-minor columns), and contract the columns with the
-    kernel laid out to match: one 2-D matrix product without groups, so that neither product's
-    gradient needs a layout copy, or one batched over groups.
+    """Channel-major im2col: the input as (channels, batch, *spatial), padded (and dilated) once;
+    one strided slice per kernel offset, stacked offset-major into columns of shape
+    (offsets · channels, batch · output positions); and the kernel, laid out to match, times the
+    columns: one 2-D matrix product (batched over groups). Each offset's slice is copied whole,
+    the products' long axis is the contiguous one, and the result is (out channels, batch,
+    *spatial), which the spatial-minor ops around it read without a layout copy.
     Half precision is computed in float32, where its products are exact, so that the input's
     gradient, which sums one term per kernel offset, is rounded once, as torch's is."""
     dtype = accumulation_dtype(x.dtype) or x.dtype
-    x = jnp.moveaxis(x.astype(dtype), 1, -1)
-    x = lax.pad(x, jnp.zeros((), dtype),
-                [(0, 0, 0)] + [(lo, hi, d - 1) for (lo, hi), d in zip(pads, input_dilation)]
-                + [(0, 0, 0)])
+    x = jnp.moveaxis(x.astype(dtype), 1, 0)
+    x = lax.pad(x, jnp.zeros((), dtype), [(0, 0, 0), (0, 0, 0)]
+                + [(lo, hi, d - 1) for (lo, hi), d in zip(pads, input_dilation)])
     kernel = weight.shape[2:]
     out_size = [(size - d * (k - 1) - 1) // s + 1
-                for size, k, d, s in zip(x.shape[1:-1], kernel, kernel_dilation, window_strides)]
-    taps = _window_slices(x, 1, out_size, kernel, window_strides, kernel_dilation)
-    columns = jnp.concatenate(taps, axis=-1)
-    rows = columns.reshape(-1, columns.shape[-1])
-    out_channels, channels_per_group = weight.shape[:2]
-    # (out, in/groups, *kernel) -> (*kernel, in/groups, out): rows of the columns' order
-    weight = jnp.moveaxis(weight.astype(dtype), (0, 1), (-1, -2))
+                for size, k, d, s in zip(x.shape[2:], kernel, kernel_dilation, window_strides)]
+    taps = _window_slices(x, 2, out_size, kernel, window_strides, kernel_dilation)
+    in_channels, batch = x.shape[:2]
+    columns = jnp.stack(taps).reshape(len(taps), groups, in_channels // groups, -1)
+    out_channels = weight.shape[0]
+    # (out, in/groups, *kernel) -> (groups, out/groups, offsets · in/groups), the columns' order
+    weight = jnp.moveaxis(weight.astype(dtype), 1, -1).reshape(groups, out_channels // groups, -1)
     if groups == 1:
-        out = jnp.matmul(rows, weight.reshape(-1, out_channels),
+        out = jnp.matmul(weight[0], columns.reshape(-1, columns.shape[-1]),
                          precision=lax.Precision.HIGHEST)
     else:
-        weight = weight.reshape(len(taps), channels_per_group, groups, out_channels // groups)
-        out = jnp.einsum("nkgc,kcgo->ngo", rows.reshape(-1, len(taps), groups,
-                                                         channels_per_group),
-                         weight, precision=lax.Precision.HIGHEST)
-    batch = x.shape[0]
-    return jnp.moveaxis(out.reshape(batch, *out_size, out_channels), -1, 1)
+        columns = jnp.swapaxes(columns, 0, 1).reshape(groups, -1, columns.shape[-1])
+        out = jnp.matmul(weight, columns, precision=lax.Precision.HIGHEST)
+    return jnp.moveaxis(out.reshape(out_channels, batch, *out_size), 0, 1)
 
 
 _CONV_ALGORITHMS = {"xla": _conv_xla, "im2col": _conv_im2col}
@@ -254,9 +253,55 @@ def _window_sum(taps, valid):
 
 @_jit_with_static_keywords
 def _max_pool(x, *, out_size, kernel, stride, padding, dilation):
+    n = len(kernel)
+    if (stride == kernel and not any(padding) and dilation == (1,) * n
+            and all(m * k <= size for m, k, size in zip(out_size, kernel, x.shape[-n:]))):
+        return _tiled_max_pool(x, out_size, kernel)
     taps, tables = _strided_windows(x, out_size, kernel, stride, padding, dilation,
                                     _lowest(x.dtype))
     return _first_max(taps, *tables)
+
+
+def _tiled_max_pool(x, out_size, kernel):
+    """Max pooling whose windows tile the input (stride = kernel, no padding, no dilation): the
+    input reshaped to (*lead, out_1, k_1, out_2, k_2, ...) and reduced over the window axes.
+    Its gradient is one select over the input's shape, where strided windows need one padded
+    slice per window element, which XLA recomputes the incoming gradient into."""
+    n = len(kernel)
+    lead = x.ndim - n
+    window_axes = tuple(range(lead + 1, lead + 2 * n, 2))
+    crop = x[(...,) + tuple(slice(0, m * k) for m, k in zip(out_size, kernel))]
+    windows = crop.reshape(x.shape[:lead] + tuple(d for m, k in zip(out_size, kernel)
+                                                  for d in (m, k)))
+    # row-major order of each element within its window, and its flat index in the input
+    order, flat = np.zeros((), np.int64), np.zeros((), np.int64)
+    for m, k, size in zip(out_size, kernel, x.shape[lead:]):
+        order = np.multiply.outer(order * k, np.ones(m, np.int64))[..., None] + np.arange(k)
+        flat = np.multiply.outer(flat * size, np.ones(m, np.int64))[..., None] + \
+            np.arange(m)[:, None] * k + np.arange(k)
+    size = int(np.prod(kernel))
+
+    def choice(windows, best):
+        """Where torch's choice lies: the first maximum, or the last NaN."""
+        preference = jnp.where(windows == jnp.expand_dims(best, window_axes), size - order, 0)
+        if jnp.issubdtype(windows.dtype, jnp.floating):
+            preference = jnp.where(jnp.isnan(windows), size + order, preference)
+        return preference == jnp.max(preference, axis=window_axes, keepdims=True)
+
+    @jax.custom_jvp
+    def window_max(windows):
+        return jnp.max(windows, axis=window_axes)
+
+    @window_max.defjvp
+    def window_max_jvp(primals, tangents):
+        (windows,), (tangent,) = primals, tangents
+        best = window_max(windows)
+        return best, jnp.sum(jnp.where(choice(windows, best), tangent, 0), axis=window_axes)
+
+    best = window_max(windows)
+    indices = jnp.sum(jnp.where(choice(windows, best), flat.astype(np.int32), 0),
+                      axis=window_axes)
+    return best, indices
 
 
 def _max_pool_rule(n):
