@@ -117,6 +117,8 @@ def _conv_im2col(x, weight, *, window_strides, pads, input_dilation, kernel_dila
     gradient, which sums one term per kernel offset, is rounded once, as torch's is."""
     dtype = accumulation_dtype(x.dtype) or x.dtype
     x = jnp.moveaxis(x.astype(dtype), 1, 0)
+    if np.prod(weight.shape[2:]) > 1:
+        x = _gradient_computed_once(x)
     x = lax.pad(x, jnp.zeros((), dtype), [(0, 0, 0), (0, 0, 0)]
                 + [(lo, hi, d - 1) for (lo, hi), d in zip(pads, input_dilation)])
     kernel = weight.shape[2:]
@@ -136,6 +138,36 @@ def _conv_im2col(x, weight, *, window_strides, pads, input_dilation, kernel_dila
         out = jnp.matmul(weight, columns, precision=lax.Precision.HIGHEST)
     return jnp.moveaxis(out.reshape(out_channels, batch, *out_size), 0, 1)
 
+
+@jax.custom_vjp
+def _gradient_computed_once(x):
+    """The identity, whose gradient passes through a product with an identity matrix over
+    blocks of the leading (channel) axis. The im2col input gradient is a sum of one padded
+    slice per kernel offset, which XLA:CPU fuses into each of its consumers and recomputes per
+    element read: four times under a 2×2 max pooling's gradient, again for the kernel gradient
+    of the layer below. A matrix product is never fused into its consumers, so the sum is
+    computed once. The blocks hold at most 16 channels, bounding the product's cost to 16
+    multiply-adds per element; the one difference it makes is that a non-finite gradient
+    element turns the others of its block into NaN."""
+    return x
+
+
+def _gradient_computed_once_fwd(x):
+    return x, None
+
+
+def _gradient_computed_once_bwd(_, gradient):
+    channels = gradient.shape[0]
+    block = max(b for b in range(1, min(channels, 16) + 1) if channels % b == 0)
+    if block == 1:
+        return (gradient,)
+    blocks = gradient.reshape(channels // block, block, -1)
+    identity = jnp.eye(block, dtype=gradient.dtype)
+    return (jnp.einsum("gcr,cd->gdr", blocks, identity,
+                       precision=lax.Precision.HIGHEST).reshape(gradient.shape),)
+
+
+_gradient_computed_once.defvjp(_gradient_computed_once_fwd, _gradient_computed_once_bwd)
 
 _CONV_ALGORITHMS = {"xla": _conv_xla, "im2col": _conv_im2col}
 
