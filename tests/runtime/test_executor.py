@@ -74,6 +74,39 @@ def test_device_iterations_equal_torch_steps_and_split_calls():
     assert_params_equal(five_twice, reference)
 
 
+class SmallCNN(torch.nn.Module):
+    """Two convolutions (the second's input gradient is im2col's summed one), tiling and
+    overlapping max pooling, as device iterations lower them inside the scan."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 4, 3)
+        self.conv2 = torch.nn.Conv2d(4, 6, 3, padding=1)
+        self.out = torch.nn.Linear(6 * 2 * 2, 3)
+
+    def forward(self, x, y):
+        h = torch.relu(F.max_pool2d(self.conv1(x), 2))
+        h = torch.relu(F.max_pool2d(self.conv2(h), 3, 2))
+        out = self.out(h.flatten(1))
+        return out, F.cross_entropy(out, y)
+
+
+def test_convolutions_in_device_iterations_equal_torch_steps():
+    torch.manual_seed(0)
+    reference = SmallCNN()
+    model = copy.deepcopy(reference)
+    x, y = torch.randn(12, 1, 12, 12), torch.randint(0, 3, (12,))
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    for xb, yb in zip(x.split(4), y.split(4)):
+        optimizer.zero_grad()
+        reference(xb, yb)[1].backward()
+        optimizer.step()
+    training = poptorch.trainingModel(model, poptorch.Options().deviceIterations(3),
+                                      torch.optim.AdamW(model.parameters(), lr=0.01))
+    training(x, y)
+    assert_params_equal(model, reference)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_gradient_accumulation_equals_torch_accumulating_loss_over_micro_batches(reduction):
     torch.manual_seed(1)
