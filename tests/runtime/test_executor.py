@@ -91,18 +91,18 @@ class SmallCNN(torch.nn.Module):
         return out, F.cross_entropy(out, y)
 
 
-def test_convolutions_in_device_iterations_equal_torch_steps():
+def test_convolutions_in_device_iterations_equal_torch_sgd_steps():
     torch.manual_seed(0)
     reference = SmallCNN()
     model = copy.deepcopy(reference)
     x, y = torch.randn(12, 1, 12, 12), torch.randint(0, 3, (12,))
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for xb, yb in zip(x.split(4), y.split(4)):
         optimizer.zero_grad()
         reference(xb, yb)[1].backward()
         optimizer.step()
     training = poptorch.trainingModel(model, poptorch.Options().deviceIterations(3),
-                                      torch.optim.AdamW(model.parameters(), lr=0.01))
+                                      torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     training(x, y)
     assert_params_equal(model, reference)
 
