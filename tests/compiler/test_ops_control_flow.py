@@ -1,9 +1,14 @@
-"""Control flow lowerings: torch.cond against torch, both branches, forward and gradients."""
+"""Control flow lowerings: torch.cond against torch, both branches, forward and gradients;
+torch's run-time data checks."""
 
+import jax
 import pytest
 import torch
+import torch.nn.functional as F
 
-from tests.compiler.harness import OpCase, case_params, check_case
+import ipu_backend
+from ipu_backend.compiler import compile_module, to_jax
+from tests.compiler.harness import FnModule, OpCase, case_params, check_case
 
 
 def gated(x, y):
@@ -14,9 +19,27 @@ CASES = [
     OpCase(f"cond_{name}", gated, lambda dtype, s=sign: (torch.rand(3, 4, dtype=dtype) * s, torch.randn(3, 4, dtype=dtype)),
            (torch.float32,), ops=(torch.ops.higher_order.cond,))
     for name, sign in (("true_branch", 1.0), ("false_branch", -1.0))
+] + [
+    OpCase("one_hot_checks_class_range", lambda logits, y: (F.one_hot(y, 5) * logits).sum(-1),
+           lambda dtype: (torch.randn(6, 5, dtype=dtype), torch.tensor([0, 4, 2, 2, 1, 3])),
+           ops=(torch.ops.aten._assert_async.msg,)),
 ]
 
 
 @pytest.mark.parametrize("case,dtype", case_params(CASES))
 def test_control_flow(case, dtype):
     check_case(case, dtype)
+
+
+def one_hot_sum(y):
+    return F.one_hot(y, 5).sum(0)
+
+
+def test_data_checks_warn_when_compiled_and_raise_op_by_op():
+    program = compile_module(FnModule(one_hot_sum), (torch.tensor([1, 2]),))
+    key = jax.random.key(0)
+    with pytest.warns(UserWarning, match="not evaluated in the compiled program.*smaller than "
+                                         "num_classes"):
+        jax.jit(lambda y: program.fn({}, {}, (y,), key))(to_jax(torch.tensor([1, 7])))
+    with pytest.raises(ipu_backend.Error, match="Class values must be smaller than num_classes"):
+        program.fn({}, {}, (to_jax(torch.tensor([1, 7])),), key)

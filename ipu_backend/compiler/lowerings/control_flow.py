@@ -1,10 +1,14 @@
-"""Lowerings: control flow. ``torch.cond`` becomes ``lax.cond`` over the traced branch graphs."""
+"""Lowerings: control flow. ``torch.cond`` becomes ``lax.cond`` over the traced branch graphs;
+torch's run-time data checks (``_assert_async``) are checked where the data is known."""
+
+import warnings
 
 import jax
 import jax.numpy as jnp
 import torch
 
 from ipu_backend.compiler.registry import lowering
+from ipu_backend.errors import Error
 
 
 @lowering(torch.ops.higher_order.cond)
@@ -15,3 +19,16 @@ def cond(ctx, pred, true_graph, false_graph, operands):
         for index, graph in enumerate((false_graph, true_graph))
     ]
     return jax.lax.cond(jnp.asarray(pred, dtype=bool).reshape(()), branches[1], branches[0], operands)
+
+
+@lowering(torch.ops.aten._assert_async.msg)
+def assert_async(ctx, condition, message):
+    """A check of the data that torch makes at run time (``F.one_hot``'s class range). Evaluated
+    op by op, it raises as torch does; a compiled program, like an IPU's, cannot stop mid-run, so
+    there it is not evaluated, and compiling says so once per check."""
+    if isinstance(condition, jax.core.Tracer):
+        warnings.warn(f"run-time check not evaluated in the compiled program: {message!r} "
+                      f"({ctx.location()}); inputs that fail it give unchecked results, not an "
+                      "error", stacklevel=2)
+    elif not bool(condition):
+        raise Error(f"{message} (at {ctx.location()})")
