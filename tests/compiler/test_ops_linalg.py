@@ -71,6 +71,25 @@ CASES = [
     OpCase("matmul_matrix_by_permuted_batch", lambda w, x: torch.matmul(w, x.permute(0, 2, 1)),
            randn((5, 4), (2, 3, 4)), ops=(aten.bmm.default, aten.expand.default)),
     OpCase("matmul_vector_by_matrix", torch.matmul, randn((4,), (4, 6)), ops=(aten.mm.default,)),
+    # MultiheadAttention's output projection: rows taken sequence-first from (batch, heads,
+    # sequence, head dim), projected, turned batch-first again. The rows are multiplied in the
+    # order of the permute after the product (and the bias added there).
+    OpCase("linear_rows_permuted_then_permuted_back",
+           lambda a, w, b: F.linear(a.permute(2, 0, 1, 3).reshape(4 * 2, 3 * 5), w, b)
+           .view(4, 2, 7).transpose(0, 1),
+           randn((2, 3, 4, 5), (7, 15), (7,)), FLOATS, ops=(aten.addmm.default, aten.permute.default)),
+    OpCase("mm_rows_permuted_then_split_and_permuted",
+           lambda a, w: torch.mm(a.permute(1, 0, 2).reshape(24, 5), w).view(2, 2, 6, 7)
+           .permute(2, 0, 1, 3),
+           randn((6, 4, 5), (5, 7)), ops=(aten.mm.default, aten.permute.default)),
+    OpCase("addmm_rows_permuted_full_bias",
+           lambda a, b, w: torch.addmm(b, a.permute(1, 0, 2).reshape(12, 5), w, beta=0.5)
+           .view(4, 3, 7).transpose(0, 1),
+           randn((3, 4, 5), (12, 7), (5, 7)), ops=(aten.addmm.default, aten.permute.default)),
+    OpCase("matmul_batch_and_heads", torch.matmul, randn((2, 3, 4, 5), (2, 3, 5, 6)), FLOATS,
+           ops=(aten.bmm.default,)),
+    OpCase("matmul_heads_broadcast_over_batch", torch.matmul, randn((2, 3, 4, 5), (3, 5, 6)),
+           ops=(aten.bmm.default, aten.expand.default)),
     OpCase("einsum_batched", lambda a, b: torch.einsum("bij,bjk->bik", a, b),
            randn((2, 3, 4), (2, 4, 5)), ops=(aten.bmm.default,)),
     OpCase("einsum_contract_two_dims", lambda a, b: torch.einsum("bij,cji->bc", a, b),

@@ -4,12 +4,14 @@ torch.matmul, F.linear, einsum, baddbmm, mv, dot, outer and addr decompose to th
 view/permute/mul/sum) before they reach us.
 """
 
+import math
 import string
 
 import jax.numpy as jnp
 from jax import lax
 import torch
 
+from ipu_backend.compiler import axis_order
 from ipu_backend.compiler.registry import lowering
 
 aten = torch.ops.aten
@@ -49,16 +51,64 @@ def _rows_product(ctx, x, y):
     node = ctx.node.args[1 if ctx.node.target is aten.addmm.default else 0]
     if isinstance(node, torch.fx.Node) and node.target is aten.view.default \
             and node.args[0].meta["val"].ndim > 2:
-        rows, outer = x.shape[0], node.args[0].meta["val"].shape[0]
-        if 1 < outer < rows and rows % outer == 0:
-            batched = jnp.reshape(x, (outer, rows // outer, x.shape[1]))
-            return jnp.reshape(einsum("abj,jk->abk", batched, y), (rows, y.shape[1]))
+        return _matrix_product(x, y, outer=node.args[0].meta["val"].shape[0])
     return einsum("ij,jk->ik", x, y)
+
+
+def _matrix_product(x, y, outer: int):
+    """``x @ y`` with the rows of ``x`` taken as ``outer`` blocks where that divides them
+    (see :func:`_rows_product`)."""
+    rows = x.shape[0]
+    if 1 < outer < rows and rows % outer == 0:
+        batched = jnp.reshape(x, (outer, rows // outer, x.shape[1]))
+        return jnp.reshape(einsum("abj,jk->abk", batched, y), (rows, y.shape[1]))
+    return einsum("ij,jk->ik", x, y)
+
+
+def _reordered_rows_product(ctx, index: int, y, finish=lambda product: product):
+    """``finish(x @ y)`` for the operand ``x`` at ``ctx.node.args[index]`` (its dims: rows...,
+    columns) where ``x`` is an earlier tensor's axes reordered by permutes, with the rows
+    multiplied in another order and the product put back in torch's; None where no order is
+    better. ``finish`` must act on each row alike (a bias along the columns).
+
+    The order is the one a permute after the product asks for, so that XLA cancels the two
+    reorderings (MultiheadAttention's output projection, computed sequence-first and turned
+    batch-first); else the source's own order where the columns are its innermost axes, so that
+    the rows are read where they lie and only the product is reordered (its input projection).
+    """
+    traced = axis_order.traced_back(ctx.node.args[index], ctx.value_of)
+    if traced is None:
+        return None
+    source, axes = traced
+    product_key = (math.inf,)
+    out_axes = axis_order.Axes(axes.sizes + ((product_key, y.shape[-1]),),
+                               axes.dims[:-1] + ((product_key,),))
+    after = axis_order.downstream_order(ctx.node, out_axes)
+    if after is not None:
+        axes, out_axes = axes.refined_as(after), out_axes.refined_as(after)
+    rows, columns = axis_order.flat(axes.dims[:-1]), list(axes.dims[-1])
+    atoms = axes.source_order()
+    if after is not None:
+        order = [key for key in axis_order.flat(after.dims) if key in rows]
+    elif columns and atoms[-len(columns):] == columns:
+        order = [key for key in atoms if key in rows]
+    else:
+        return None
+    if order == rows:
+        return None
+    size = axes.size
+    lhs = axis_order.arranged(source, axes, order + columns, (
+        axis_order.size_of(axes, order), axis_order.size_of(axes, columns)))
+    product = finish(_matrix_product(lhs, y, outer=size(order[0])))
+    product = jnp.reshape(product, [size(key) for key in order] + [y.shape[-1]])
+    product = jnp.transpose(product, [order.index(key) for key in rows] + [len(order)])
+    return jnp.reshape(product, ctx.out.shape)
 
 
 @lowering(aten.mm.default)
 def mm(ctx, x, y):
-    return _rows_product(ctx, x, y)
+    reordered = _reordered_rows_product(ctx, 0, y)
+    return _rows_product(ctx, x, y) if reordered is None else reordered
 
 
 def _repeated_matrix(ctx, index: int, value):
@@ -85,15 +135,49 @@ def _repeated_matrix(ctx, index: int, value):
 def bmm(ctx, x, y):
     shared_y = _repeated_matrix(ctx, 1, y)
     if shared_y is not None:
-        return einsum("bij,jk->bik", x, shared_y)
+        reordered = _reordered_rows_product(ctx, 0, shared_y)
+        return einsum("bij,jk->bik", x, shared_y) if reordered is None else reordered
     shared_x = _repeated_matrix(ctx, 0, x)
     if shared_x is not None:
         return einsum("ij,bjk->bik", shared_x, y)
+    split_x, split_y = _batches_split(ctx, 0), _batches_split(ctx, 1)
+    if split_x is not None and split_y is not None and split_x.shape[:-2] == split_y.shape[:-2]:
+        return jnp.reshape(einsum("...ij,...jk->...ik", split_x, split_y), ctx.out.shape)
     return einsum("bij,bjk->bik", x, y)
+
+
+def _batches_split(ctx, index: int):
+    """The earlier tensor of shape ``(*batches, m, k)``, more than one batch dim, whose batches
+    a bmm operand ``(prod(batches), m, k)`` merely merges (attention's ``(batch, heads)``), or
+    None. Multiplied with those batch dims, the product needs no reshape between its batch
+    forms, which XLA:CPU otherwise carries into every loop over it as extra index arithmetic."""
+    node = ctx.node.args[index]
+    matrix_shape = tuple(node.meta["val"].shape[1:])
+    found = None
+    while isinstance(node, torch.fx.Node) and node.target in _BATCH_PRESERVING \
+            and tuple(node.meta["val"].shape[-2:]) == matrix_shape:
+        source = node.args[0]
+        if not isinstance(source, torch.fx.Node) or tuple(source.meta["val"].shape[-2:]) != matrix_shape:
+            break
+        if node.target is aten.expand.default \
+                and tuple(node.meta["val"].shape) != tuple(source.meta["val"].shape):
+            break
+        if source.meta["val"].ndim > 3:
+            found = source
+        node = source
+    return None if found is None else ctx.value_of(found)
+
+
+_BATCH_PRESERVING = (aten.view.default, aten.expand.default, aten.clone.default, aten.alias.default)
 
 
 @lowering(aten.addmm.default)
 def addmm(ctx, bias, x, y, beta=1, alpha=1):
+    if bias.ndim < 2 or bias.shape[0] == 1:
+        reordered = _reordered_rows_product(
+            ctx, 1, y, lambda product: _scaled_sum(bias, product, beta, alpha))
+        if reordered is not None:
+            return reordered
     return _scaled_sum(bias, _rows_product(ctx, x, y), beta, alpha)
 
 
