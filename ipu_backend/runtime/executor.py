@@ -8,6 +8,7 @@ import warnings
 import weakref
 
 import jax
+import numpy as np
 import torch
 import torch.utils._pytree as torch_pytree
 from jax.sharding import NamedSharding
@@ -18,12 +19,12 @@ from ipu_backend.compiler.custom_ops import IDENTITY_LOSS
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, totals_of
 from ipu_backend.enums import OutputMode, ReductionType
 from ipu_backend.errors import Error
-from ipu_backend.profiling import recorder_for
+from ipu_backend.profiling import NullRecorder, recorder_for
 from ipu_backend.profiling.memory_usage import single_ipu_usage
 from ipu_backend.runtime import compilation_cache, memory
 from ipu_backend.runtime.devices import replica_mesh
 from ipu_backend.runtime.optimizers import optimizer_rule
-from ipu_backend.runtime.outputs import inputs_to_device, output_to_host
+from ipu_backend.runtime.outputs import host_inputs, inputs_to_device, output_to_host
 from ipu_backend.runtime.stages import has_blocks
 from ipu_backend.runtime.step import OutputLayout, Schedule, inference_call, initial_scaler, master_copy, training_call
 from ipu_backend.runtime.weights import release, weight_store
@@ -36,11 +37,6 @@ signature and optimizer structure never compile twice in a process."""
 
 _OUTPUT_MODES = {OutputMode.All: "all", OutputMode.Final: "final", OutputMode.Sum: "sum",
                  OutputMode.EveryN: "every_n"}
-
-_call_key = jax.jit(jax.random.fold_in)
-"""A call's random key from the executor's base key and the call's index: one dispatch, where
-eager ``fold_in`` costs a dozen."""
-
 
 class _Compiled:
     """One compiled call and what the host needs to use it."""
@@ -199,6 +195,8 @@ class PoplarExecutor:
             self._store.on_host_sync.append(self._optimizer_state_to_host)
         compilation_cache.configure(self._options.executable_cache_dir)
         self._profiler = recorder_for(self._options, training, step_method)
+        self._profiling = not isinstance(self._profiler, NullRecorder)
+        """Reports time each call's copy of its inputs to the device: they are placed before the call."""
 
     # --- PopTorch's public surface -------------------------------------------------------
     @property
@@ -221,7 +219,7 @@ class PoplarExecutor:
         compiled = self._compile(args)
         if not self._attached:
             self.attachToDevice()
-        call_args = self._call_arguments(compiled, args)
+        call_args = self._call_arguments(compiled, args, place_inputs=compiled.executable is None or self._profiling)
         self._ensure_executable(compiled, call_args)
         self._profiler.inputs_on_device(call_args)
         state, arrays, logs = compiled.executable(*call_args)
@@ -234,7 +232,6 @@ class PoplarExecutor:
             host_memory = NamedSharding(self._mesh(), P(), memory_kind="pinned_host")
             self._opt_state = jax.device_put(self._opt_state, host_memory)
         self.last_program = compiled.program
-        arrays, logs = jax.device_get((arrays, logs))      # one transfer for every output
         self.last_logs = {name: output_to_host(value, compiled.log_dtypes[name]) for name, value in logs.items()}
         outputs = [output_to_host(a, d) for a, d in zip(arrays, compiled.output_dtypes)]
         self._profiler.finished(self, compiled, call_args)
@@ -382,13 +379,17 @@ class PoplarExecutor:
         self._compiled[signature] = _PROGRAMS[self._user_model][signature] = compiled
         return compiled
 
-    def _call_arguments(self, compiled: _Compiled, args: tuple, advance: bool = True) -> tuple:
-        """What the compiled call takes: device state, the combined batch on the mesh, the
-        optimizer's current hyper-parameters (training) and this call's random key."""
+    def _call_arguments(self, compiled: _Compiled, args: tuple, advance: bool = True,
+                        place_inputs: bool = True) -> tuple:
+        """What the compiled call takes: device state, the combined batch (on the mesh if
+        ``place_inputs``, else host arrays that the compiled call copies itself), the optimizer's
+        current hyper-parameters (training), the executor's random key and the call's index (the
+        program folds them into this call's key)."""
         schedule = self._schedule()
         mesh = None if compiled.multi_ipu else self._mesh()
-        inputs = inputs_to_device(args, schedule, mesh)
-        key = _call_key(self._base_key(), self._next_call_index() if advance else 0)
+        inputs = inputs_to_device(args, schedule, mesh) if place_inputs else host_inputs(args, schedule)
+        key = self._base_key()
+        index = np.uint32(self._next_call_index() if advance else 0)
         params, buffers = self._store.device_state()
         state = {"params": params, "buffers": buffers}
         if self._training:
@@ -397,7 +398,7 @@ class PoplarExecutor:
                          scaler=self._scaler_state(compiled.rule, hyper))
         if mesh is not None and not self._is_resident(state):
             state = jax.device_put(state, NamedSharding(mesh, P()))
-        return (state, inputs, hyper, key) if self._training else (state, inputs, key)
+        return (state, inputs, hyper, key, index) if self._training else (state, inputs, key, index)
 
     def _offloads_optimizer_state(self, compiled: _Compiled) -> bool:
         """``setOptimizerLocation(...useOnChipStorage(False))`` on one IPU: between calls the
@@ -511,9 +512,10 @@ class PoplarExecutor:
 
     def _base_key(self):
         """Options.randomSeed when set, else a seed drawn from torch's generator (so
-        torch.manual_seed makes runs repeatable); made once."""
+        torch.manual_seed makes runs repeatable); made once, on the replica mesh."""
         if self._key is None:
-            self._key = jax.random.key(self._seed)
+            key = jax.random.key(self._seed)
+            self._key = jax.device_put(key, NamedSharding(self._mesh(), P()))
         return self._key
 
     def _next_call_index(self) -> int:

@@ -72,6 +72,7 @@ from ipu_backend.runtime.step import (
     call_outputs,
     initial_scaler,
     next_scaler,
+    replica_sum,
 )
 from ipu_backend.runtime.weights import release, weight_store
 
@@ -439,7 +440,7 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
                 reached = {n for n, u in zip(sorted(targets), used) if u}
                 value = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(targets, inputs, keys)
                 for name in sorted(reached):
-                    g = jax.lax.psum(value[name].sum(0), REPLICA) / schedule.replicas
+                    g = replica_sum(value[name].sum(0), mesh.size) / schedule.replicas
                     grads[name] = grads[name] + g if name in grads else g
             elif isinstance(event, ZeroGrad):
                 for name in groups[event.optimizer]:
@@ -473,7 +474,7 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
             return (layout.split(result), logs), new_buffers
 
         outputs, new_buffers = jax.vmap(final)(inputs, keys)
-        return (current, _from_replica_zero(new_buffers, local), tuple(opt_states), scaler), \
+        return (current, _from_replica_zero(new_buffers, local, mesh.size), tuple(opt_states), scaler), \
             jax.tree.map(lambda y: y[None], outputs)
 
     def device_program(state, inputs, hypers, key):

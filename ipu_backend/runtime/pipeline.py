@@ -62,6 +62,7 @@ from ipu_backend.runtime.step import (
     REPLICA,
     OutputLayout,
     Schedule,
+    call_key,
     initial_scaler,
     master_copy,
     next_scaler,
@@ -70,6 +71,9 @@ from ipu_backend.runtime.step import (
 
 _RECOMPUTE_STAGES = (3, 4)      # PopART RecomputationType.Pipeline and RecomputeAll
 _RECOMPUTE_STANDARD = 1         # RecomputationType.Standard: keep matrix products, recompute the rest
+
+_call_key = jax.jit(call_key)
+"""A call's random key, made once for all its stages (one dispatch where eager ``fold_in`` costs a dozen)."""
 
 
 # --- schedules ---------------------------------------------------------------------------------
@@ -502,8 +506,8 @@ class _Stage:
 
 class MultiIpuProgram:
     """What the executor runs for a model split over IPUs, in place of its single-IPU step:
-    called with the executor's arguments, ``(state, inputs, hyper, key)`` in training and
-    ``(state, inputs, key)`` in inference, it returns ``(state, outputs, logs)``.
+    called with the executor's arguments, ``(state, inputs, hyper, key, index)`` in training and
+    ``(state, inputs, key, index)`` in inference, it returns ``(state, outputs, logs)``.
 
     Its stage programs are compiled when it is built, so ``lower(...).compile()`` (the executor's
     ahead-of-time protocol, as ``jax.jit``'s) returns it unchanged.
@@ -531,6 +535,8 @@ class MultiIpuProgram:
         return self
 
     def __call__(self, state, inputs, *rest):
+        *rest, key, index = rest
+        rest = (*rest, _call_key(key, index))
         state = self.place(state)
         if self.settings.training:
             state, arrays = self._train(state, inputs, *rest)

@@ -89,6 +89,76 @@ def call_outputs(arrays, logs: dict, schedule: Schedule, totals: dict) -> tuple:
     return jax.tree.map(lambda y: jnp.moveaxis(y, 2, 0), (arrays, {**logs, **reduced}))
 
 
+def _identity(how: str, dtype):
+    """The start of a running ``how`` ("sum" | "max" | "min") reduction in ``dtype``."""
+    if how == "sum":
+        return 0
+    if jnp.issubdtype(dtype, jnp.floating):
+        return -jnp.inf if how == "max" else jnp.inf
+    if dtype == jnp.bool_:
+        return how == "min"
+    info = jnp.iinfo(dtype)
+    return info.min if how == "max" else info.max
+
+
+def _running_start(how: str, aval):
+    """A running ``how`` reduction of steps shaped ``aval`` (``[A, r, ...]``) over their first
+    axis: its start (``[1, r, ...]``; sums of narrow floats accumulate in float32, as ``jnp.sum``
+    computes them) and the dtype of the result."""
+    reduced = jax.eval_shape(lambda y: _REDUCE[how](y, axis=0, keepdims=True), aval)
+    dtype = reduced.dtype
+    if how == "sum" and jnp.issubdtype(dtype, jnp.floating):
+        dtype = jnp.promote_types(dtype, jnp.float32)
+    return jnp.full(reduced.shape, _identity(how, dtype), dtype), reduced.dtype
+
+
+def _combine(how: str, running, step):
+    """``running`` with one more step (``[A, r, ...]``, reduced over its first axis)."""
+    if how == "sum":
+        return running + jnp.sum(step, axis=0, keepdims=True, dtype=running.dtype)
+    return (jnp.maximum if how == "max" else jnp.minimum)(running, _REDUCE[how](step, axis=0, keepdims=True))
+
+
+def device_loop(iteration, carry, xs, schedule: Schedule, totals: dict):
+    """The call's device iterations, ``iteration(carry, xs) -> (carry, (arrays, logs))`` with
+    outputs ``[A, r, ...]``, and its outputs as :func:`call_outputs` gives them. In Final and Sum
+    modes the loop carries only what the call returns (the last outputs, or their running sum, and
+    the metric totals), instead of stacking every iteration's: on XLA:CPU each stacked output is
+    one more write per iteration, and it holds D copies."""
+    if schedule.device_iterations == 1 or schedule.output_mode not in ("final", "sum"):
+        carry, ys = _loop(iteration, carry, xs, schedule.device_iterations)
+        return carry, call_outputs(*ys, schedule, totals)
+    final = schedule.output_mode == "final"
+    _, shapes = jax.eval_shape(iteration, carry, jax.tree.map(lambda x: x[0], xs))
+    if final:
+        kept = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    else:
+        kept, kept_dtypes = _unzip(jax.tree.map(lambda a: _running_start("sum", a), shapes), shapes)
+    running, total_dtypes = _unzip({n: _running_start(how, shapes[1][n]) for n, how in totals.items()}, totals)
+
+    def body(loop_carry, x):
+        inner, kept, running = loop_carry
+        inner, ys = iteration(inner, x)
+        kept = ys if final else jax.tree.map(lambda k, y: _combine("sum", k, y), kept, ys)
+        running = {n: _combine(how, running[n], ys[1][n]) for n, how in totals.items()}
+        return (inner, kept, running), None
+
+    (carry, kept, running), _ = jax.lax.scan(body, (carry, kept, running), xs)
+    if final:
+        arrays, logs = jax.tree.map(lambda y: y[None, -1:], kept)
+    else:
+        arrays, logs = jax.tree.map(lambda y, d: y[None].astype(d), kept, kept_dtypes)
+    reduced = {n + TOTAL_SUFFIX: running[n][None].astype(total_dtypes[n]) for n in totals}
+    return carry, jax.tree.map(lambda y: jnp.moveaxis(y, 2, 0), (arrays, {**logs, **reduced}))
+
+
+def _unzip(pairs, like):
+    """A tree of ``(a, b)`` pairs shaped as ``like`` → the tree of ``a`` and the tree of ``b``."""
+    structure = jax.tree.structure(like)
+    leaves = structure.flatten_up_to(pairs)
+    return (structure.unflatten([a for a, _ in leaves]), structure.unflatten([b for _, b in leaves]))
+
+
 _ARRAY = object()
 """Marks an array leaf in ``OutputLayout.static`` (None is a leaf value of its own)."""
 
@@ -111,14 +181,34 @@ class OutputLayout:
         return torch_pytree.tree_unflatten(leaves, self.spec)
 
 
+def call_key(key, index):
+    """A call's random key: the executor's ``key`` folded with the call's ``index`` (inside the
+    program, so a call dispatches nothing else)."""
+    return jax.random.fold_in(key, index)
+
+
+def _iteration_keys(key, index, schedule: Schedule):
+    """The key of each device iteration of the call ``index``."""
+    key = call_key(key, index)
+    return jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(schedule.device_iterations))
+
+
 def _replica_keys(key, local_replicas):
     first = jax.lax.axis_index(REPLICA) * local_replicas
     return jax.vmap(lambda i: jax.random.fold_in(key, first + i))(jnp.arange(local_replicas))
 
 
-def _from_replica_zero(tree, local_replicas):
+def replica_sum(tree, devices: int):
+    """Sum over the devices of the replica mesh; on a one-device mesh the value itself (XLA:CPU
+    keeps a one-device all-reduce as a step of its own in every device iteration)."""
+    return tree if devices == 1 else jax.lax.psum(tree, REPLICA)
+
+
+def _from_replica_zero(tree, local_replicas, devices: int):
     """Replica 0's value on every device (PopTorch's broadcastBuffers)."""
     first = jax.tree.map(lambda x: x[0], tree)
+    if devices == 1:
+        return first
     is_zero = jax.lax.axis_index(REPLICA) == 0
     return jax.tree.map(
         lambda x: jax.lax.psum(jnp.where(is_zero, x, jnp.zeros_like(x)), REPLICA).astype(x.dtype), first)
@@ -180,7 +270,8 @@ def master_copy(params: dict) -> dict:
 
 def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, mesh,
                   layout: OutputLayout, totals: dict | None = None) -> Callable:
-    """``call(state, inputs, hyper, key) -> (state, outputs, logs)``, jitted over the mesh.
+    """``call(state, inputs, hyper, key, index) -> (state, outputs, logs)``, jitted over the mesh
+    (``key`` and ``index``: see :func:`call_key`).
 
     ``forward(params, buffers, inputs, key) -> (outputs, new_buffers, logs)`` is one micro-batch
     of the model (a Program's ``logged_fn``); ``state`` is ``{"params", "buffers", "opt", "scaler"}`` (``scaler``: dynamic loss scaling,
@@ -221,12 +312,12 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
             keys = _replica_keys(jax.random.fold_in(key, index), local)
             grads, (arrays, new_buffers, logs) = replica_step(params, buffers, micro_inputs, keys, loss_scale)
             grads_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype).sum(0), grads_sum, grads)
-            return (grads_sum, _from_replica_zero(new_buffers, local)), (arrays, logs)
+            return (grads_sum, _from_replica_zero(new_buffers, local, mesh.size)), (arrays, logs)
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, rule.accum_dtype), params)
         indices = jnp.arange(schedule.accumulation)
         (grads_sum, buffers), ys = _loop(accumulate, (zeros, buffers), (inputs, indices), schedule.accumulation)
-        grads = jax.tree.map(lambda g: jax.lax.psum(g, REPLICA) / (scale_sum * loss_scale), grads_sum)
+        grads = jax.tree.map(lambda g: g / (scale_sum * loss_scale), replica_sum(grads_sum, mesh.size))
         new_params, new_opt_state = optimizer_update(rule, grads, opt_state, params, hyper,
                                             jax.random.fold_in(key, schedule.accumulation), schedule)
         if schedule.dynamic_loss_scaling:
@@ -234,19 +325,18 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
                 grads, scaler, (new_params, new_opt_state), (params, opt_state))
         return (new_params, buffers, new_opt_state, scaler, hyper), ys
 
-    def device_program(state, inputs, hyper, key):
-        keys = jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(schedule.device_iterations))
+    def device_program(state, inputs, hyper, key, index):
+        keys = _iteration_keys(key, index, schedule)
         carry = (state["params"], state["buffers"], state["opt"], state["scaler"], hyper)
         with lowering_options(conv_algorithm="im2col" if schedule.device_iterations > 1 or
                               schedule.accumulation > 1 else "xla"):
-            (params, buffers, opt_state, scaler, _), (arrays, logs) = _loop(
-                iteration, carry, (inputs, keys), schedule.device_iterations)
-        arrays, logs = call_outputs(arrays, logs, schedule, totals or {})
+            (params, buffers, opt_state, scaler, _), (arrays, logs) = device_loop(
+                iteration, carry, (inputs, keys), schedule, totals or {})
         return {"params": params, "buffers": buffers, "opt": opt_state, "scaler": scaler}, arrays, logs
 
     sharded = jax.shard_map(
         device_program, mesh=mesh,
-        in_specs=(P(), P(None, None, REPLICA), P(), P()),
+        in_specs=(P(), P(None, None, REPLICA), P(), P(), P()),
         out_specs=(P(), P(REPLICA), P(REPLICA)),
         check_vma=False)
     return jax.jit(sharded, donate_argnums=(0,))
@@ -254,11 +344,11 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
 
 def inference_call(forward: Callable, schedule: Schedule, mesh, layout: OutputLayout,
                    totals: dict | None = None) -> Callable:
-    """``call(state, inputs, key) -> (state, outputs, logs)``: D iterations of the forward on R
+    """``call(state, inputs, key, index) -> (state, outputs, logs)``: D iterations of the forward on R
     replicas (``totals`` as for :func:`training_call`)."""
     local = schedule.replicas // mesh.size
 
-    def device_program(state, inputs, key):
+    def device_program(state, inputs, key, index):
         params = state["params"]
 
         def replica_forward(buffers, micro_inputs, replica_key):
@@ -269,17 +359,17 @@ def inference_call(forward: Callable, schedule: Schedule, mesh, layout: OutputLa
             micro_inputs, key = xs                       # micro_inputs: [1, r, m, ...]
             arrays, new_buffers = jax.vmap(replica_forward, in_axes=(None, 0, 0))(
                 buffers, jax.tree.map(lambda x: x[0], micro_inputs), _replica_keys(key, local))
-            return _from_replica_zero(new_buffers, local), jax.tree.map(lambda y: y[None], arrays)
+            return _from_replica_zero(new_buffers, local, mesh.size), jax.tree.map(lambda y: y[None], arrays)
 
-        keys = jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(schedule.device_iterations))
+        keys = _iteration_keys(key, index, schedule)
         with lowering_options(conv_algorithm="im2col" if schedule.device_iterations > 1 else "xla"):
-            buffers, (arrays, logs) = _loop(iteration, state["buffers"], (inputs, keys), schedule.device_iterations)
-        arrays, logs = call_outputs(arrays, logs, schedule, totals or {})
+            buffers, (arrays, logs) = device_loop(iteration, state["buffers"], (inputs, keys), schedule,
+                                                  totals or {})
         return {"params": params, "buffers": buffers}, arrays, logs
 
     sharded = jax.shard_map(
         device_program, mesh=mesh,
-        in_specs=(P(), P(None, None, REPLICA), P()),
+        in_specs=(P(), P(None, None, REPLICA), P(), P()),
         out_specs=(P(), P(REPLICA), P(REPLICA)),
         check_vma=False)
     return jax.jit(sharded)

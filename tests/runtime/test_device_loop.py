@@ -1,0 +1,55 @@
+"""The device-iteration loop's outputs per OutputMode, against the same reductions done by numpy
+on every iteration's outputs: Final and Sum keep only the last outputs (or their running sum) in
+the loop, the metric totals are running sums, maxima and minima."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ipu_backend.compiler.metric_states import TOTAL_SUFFIX
+from ipu_backend.runtime.step import Schedule, device_loop
+
+D, A, R = 6, 2, 1
+TOTALS = {"hits": "sum", "worst": "max", "best": "min"}
+
+
+def iteration(count, x):
+    """A step whose outputs differ per iteration and micro-batch: ``[A, r, ...]`` arrays of three
+    dtypes, and logs that the call totals."""
+    scaled = x * (count + 1)
+    arrays = [scaled, scaled.astype(jnp.float16), jnp.round(scaled).astype(jnp.int32)]
+    logs = {"loss": scaled.sum(-1), "hits": (scaled > 0).sum(-1), "worst": scaled.max(-1),
+            "best": jnp.round(scaled.min(-1)).astype(jnp.int32)}
+    return count + 1, (arrays, logs)
+
+
+def stacked(xs):
+    """Every iteration's outputs ``[D, A, r, ...]``, computed step by step in numpy."""
+    steps = [jax.tree.map(np.asarray, iteration(jnp.float32(d), jnp.asarray(xs[d]))[1]) for d in range(D)]
+    return jax.tree.map(lambda *ys: np.stack(ys), *steps)
+
+
+def expected(xs, mode):
+    arrays, logs = stacked(xs)
+    select = {"all": lambda y: y, "final": lambda y: y[-1:, -1:], "every_n": lambda y: y[2::3, -1:],
+              "sum": lambda y: y.sum(axis=(0, 1), keepdims=True, dtype=np.float32 if y.dtype.kind == "f"
+                                     else None).astype(jnp.sum(y).dtype)}[mode]
+    totals = {n + TOTAL_SUFFIX: getattr(np, how)(logs[n], axis=(0, 1), keepdims=True)
+              .astype(getattr(jnp, how)(logs[n]).dtype) for n, how in TOTALS.items()}
+    arrays, logs = jax.tree.map(select, (arrays, logs))
+    return jax.tree.map(lambda y: np.moveaxis(y, 2, 0), (arrays, {**logs, **totals}))
+
+
+@pytest.mark.parametrize("mode", ["all", "final", "sum", "every_n"])
+def test_outputs_and_metric_totals_follow_the_output_mode(mode):
+    schedule = Schedule(device_iterations=D, accumulation=A, replicas=R, output_mode=mode, output_period=3)
+    xs = np.random.default_rng(0).normal(size=(D, A, R, 3)).astype(np.float32)
+    count, outputs = jax.jit(lambda xs: device_loop(iteration, jnp.float32(0), xs, schedule, TOTALS))(xs)
+    assert count == D
+    want = expected(xs, mode)
+    assert jax.tree.structure(outputs) == jax.tree.structure(want)
+    for got, value in zip(jax.tree.leaves(outputs), jax.tree.leaves(want)):
+        assert got.dtype == value.dtype and got.shape == value.shape
+        np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(value, np.float64),
+                                   rtol=1e-3 if got.dtype == jnp.float16 else 1e-6)
