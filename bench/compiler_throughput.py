@@ -43,13 +43,16 @@ def rate(step, samples_per_call, seconds=SECONDS):
 
 
 def best_rates(steps: dict, samples_per_call) -> dict:
-    """Each step's best rate over ``ROUNDS`` rounds of one window per step, steps in turn."""
+    """Each step's best rate over ``ROUNDS`` rounds of one window per step, steps in turn. The
+    order rotates every round: a window right after torch eager's runs measurably slower (by
+    5-10 % on a loaded 2-core machine), so no implementation may always be the one after it."""
     for step in steps.values():
         step()
     best = dict.fromkeys(steps, 0.0)
-    for _ in range(ROUNDS):
-        for name, step in steps.items():
-            best[name] = max(best[name], rate(step, samples_per_call))
+    names = list(steps)
+    for round_ in range(ROUNDS):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            best[name] = max(best[name], rate(steps[name], samples_per_call))
     return best
 
 
