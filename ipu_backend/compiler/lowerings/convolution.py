@@ -265,10 +265,18 @@ def _torch_choice(taps, valid):
     patches = jnp.stack(taps, axis=-1)
     order = np.arange(len(taps))
     best = jnp.max(patches, axis=-1, keepdims=True)
-    preference = jnp.where(valid & (patches == best), len(taps) - order, 0)
-    if jnp.issubdtype(patches.dtype, jnp.floating):
-        preference = jnp.where(valid & jnp.isnan(patches), len(taps) + order, preference)
+    preference = _torch_preference(patches, best, order, len(taps), valid)
     return jnp.argmax(preference, axis=-1)[..., None] == order
+
+
+def _torch_preference(windows, best, order, size, valid=True):
+    """Each window element's rank in torch's choice (``val > max || isnan(val)`` in row-major
+    ``order`` over windows of ``size``): the first maximum ranks highest, unless the window holds
+    NaN, where the last NaN does; elements outside the input (not ``valid``) rank 0."""
+    preference = jnp.where(valid & (windows == best), size - order, 0)
+    if jnp.issubdtype(windows.dtype, jnp.floating):
+        preference = jnp.where(valid & jnp.isnan(windows), size + order, preference)
+    return preference
 
 
 def _window_sum(taps, valid):
@@ -315,9 +323,7 @@ def _tiled_max_pool(x, out_size, kernel):
 
     def choice(windows, best):
         """Where torch's choice lies: the first maximum, or the last NaN."""
-        preference = jnp.where(windows == jnp.expand_dims(best, window_axes), size - order, 0)
-        if jnp.issubdtype(windows.dtype, jnp.floating):
-            preference = jnp.where(jnp.isnan(windows), size + order, preference)
+        preference = _torch_preference(windows, jnp.expand_dims(best, window_axes), order, size)
         return preference == jnp.max(preference, axis=window_axes, keepdims=True)
 
     @jax.custom_jvp
