@@ -221,6 +221,10 @@ GATHER_SCATTER = [
     OpCase("gather",
            lambda x, i, small: (x.gather(1, i), x.gather(-1, small[:, :2, :2]), x.gather(0, small[:2])),
            scatter_inputs((3, 4, 5)), FLOAT_AND_INT, ops=(aten.gather.default,)),
+    OpCase("gather_long_dim_indexes", lambda x, i: x.gather(1, i),  # past COMPARISON_GATHER_LIMIT
+           with_tensors((2, 1500), extra=(torch.randint(0, 1500, (2, 3)),)), ops=(aten.gather.default,)),
+    OpCase("gather_skips_nan_elsewhere", lambda x, i: x.masked_fill(x > 1, float("nan")).gather(1, i),
+           with_tensors((4, 10), extra=(torch.tensor([[0], [3], [9], [5]]),)), ops=(aten.gather.default,)),
     OpCase("gather_0d", lambda x, i: x.gather(0, i), with_tensors((), extra=(torch.tensor(0),)),
            ops=(aten.gather.default,)),
     OpCase("take_along_dim", lambda x, i: torch.take_along_dim(x, i, 1),
