@@ -7,14 +7,16 @@
    hand-written in JAX as a `lax.scan` with im2col convolutions (channels-last, AdamW from optax),
    the lowering the executor chooses inside device iterations.
 Targets: MLP ≥ 10× torch eager and ≥ 0.5× hand-written JAX; seed CNN ≥ 1.2× torch eager.
-Each path's epochs are timed in alternation, ROUNDS times, and the fastest of each kept, so that
-ratios taken on a busy machine compare the same moments.
+Each path's epochs are timed in alternation, ROUNDS times (the order rotating each round), and the
+fastest of each kept; the median over rounds of the same-round ratio is reported too, with the
+share of CPU time stolen by the hypervisor during the run (bench/cpu_steal.py).
 Writes bench/results/device_iterations.json. Run by hand: `make bench`.
 """
 
 import json
 import os
 import pathlib
+import statistics
 import sys
 import time
 
@@ -27,6 +29,8 @@ from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 from seed_cnn import SeedCNNWithLoss  # noqa: E402
+
+from cpu_steal import StealMeter  # noqa: E402
 
 import ipu_backend as poptorch  # noqa: E402
 
@@ -45,18 +49,32 @@ class MLP(nn.Module):
         return logits, F.cross_entropy(logits, y)
 
 
-def best_rates(epochs: dict, samples: int) -> dict:
-    """Samples per second of each epoch function: after a warm-up (compilation), the fastest of
-    ROUNDS epochs, the functions taking turns."""
+def timed_rounds(epochs: dict) -> dict:
+    """Seconds of each epoch function per round: after a warm-up (compilation), ROUNDS rounds,
+    the functions taking turns in an order that rotates each round."""
     for epoch in epochs.values():
         epoch()
-    best = dict.fromkeys(epochs, float("inf"))
+    times = {name: [] for name in epochs}
+    order = list(epochs)
     for _ in range(ROUNDS):
-        for name, epoch in epochs.items():
+        for name in order:
             start = time.perf_counter()
-            epoch()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return {name: samples / seconds for name, seconds in best.items()}
+            epochs[name]()
+            times[name].append(time.perf_counter() - start)
+        order = order[1:] + order[:1]
+    return times
+
+
+def rates_and_ratios(times: dict, samples: int, of: str, to: list) -> tuple[dict, dict]:
+    """Samples per second of each path's fastest epoch; and ``of`` against each path in ``to``:
+    the ratio of fastest epochs, and the median over rounds of the same-round ratio."""
+    rates = {name: samples / min(seconds) for name, seconds in times.items()}
+    ratios = {}
+    for other in to:
+        ratios[f"executor_vs_{other}"] = rates[of] / rates[other]
+        ratios[f"executor_vs_{other}_median_of_rounds"] = statistics.median(
+            theirs / ours for ours, theirs in zip(times[of], times[other]))
+    return rates, ratios
 
 
 def torch_eager(model, optimizer, x, y, batch):
@@ -117,17 +135,15 @@ def mlp_benchmark():
     x, y = torch.randn(n, 64), torch.randint(0, 10, (n,))
     dataset = torch.utils.data.TensorDataset(x, y)
     eager_model, ipu_model = MLP(), MLP()
-    rates = best_rates({
+    times = timed_rounds({
         "executor": executor(ipu_model, torch.optim.SGD(ipu_model.parameters(), lr=0.01),
                              dataset, batch, iterations),
         "handwritten_jax": mlp_handwritten(x, y, batch, iterations),
         "torch_eager": torch_eager(eager_model, torch.optim.SGD(eager_model.parameters(), lr=0.01),
                                    x, y, batch),
-    }, n)
-    steps = {k: v / batch for k, v in rates.items()}
-    return {"steps_per_s": steps,
-            "executor_vs_torch_eager": rates["executor"] / rates["torch_eager"],
-            "executor_vs_handwritten_jax": rates["executor"] / rates["handwritten_jax"]}
+    })
+    rates, ratios = rates_and_ratios(times, n, "executor", ["torch_eager", "handwritten_jax"])
+    return {"steps_per_s": {k: v / batch for k, v in rates.items()}, **ratios}
 
 
 def _im2col_conv(x, w, b):
@@ -190,27 +206,37 @@ def cnn_benchmark():
     x, y = torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,))
     dataset = torch.utils.data.TensorDataset(x, y)
     eager_model, ipu_model = SeedCNNWithLoss(), SeedCNNWithLoss()
-    rates = best_rates({
+    times = timed_rounds({
         "executor": executor(ipu_model, torch.optim.AdamW(ipu_model.parameters(), lr=1e-3),
                              dataset, batch, iterations),
         "handwritten_jax_im2col": cnn_handwritten(x, y, batch, iterations),
         "torch_eager": torch_eager(eager_model, torch.optim.AdamW(eager_model.parameters(), lr=1e-3),
                                    x, y, batch),
-    }, n)
-    return {"images_per_s": rates,
-            "executor_vs_torch_eager": rates["executor"] / rates["torch_eager"],
-            "executor_vs_handwritten_jax_im2col": rates["executor"] / rates["handwritten_jax_im2col"]}
+    })
+    rates, ratios = rates_and_ratios(times, n, "executor", ["torch_eager", "handwritten_jax_im2col"])
+    return {"images_per_s": rates, **ratios}
+
+
+def _report(name: str, result: dict, unit: str, others: list) -> str:
+    rates = result[unit]
+    parts = [f"{name} {unit}: " + str({k: round(v) for k, v in rates.items()})]
+    for other in others:
+        parts.append(f"vs {other} {result['executor_vs_' + other]:.2f}x "
+                     f"(median of rounds {result['executor_vs_' + other + '_median_of_rounds']:.2f}x)")
+    return " | ".join(parts)
 
 
 def main():
-    results = {"mlp": mlp_benchmark()}
-    print("MLP  steps/s:", {k: round(v) for k, v in results["mlp"]["steps_per_s"].items()},
-          f"| vs torch {results['mlp']['executor_vs_torch_eager']:.1f}x",
-          f"| vs JAX {results['mlp']['executor_vs_handwritten_jax']:.2f}x")
-    results["seed_cnn"] = cnn_benchmark()
-    print("CNN  img/s:", {k: round(v) for k, v in results["seed_cnn"]["images_per_s"].items()},
-          f"| vs torch {results['seed_cnn']['executor_vs_torch_eager']:.2f}x",
-          f"| vs JAX im2col {results['seed_cnn']['executor_vs_handwritten_jax_im2col']:.2f}x")
+    with StealMeter() as mlp_steal:
+        results = {"mlp": mlp_benchmark()}
+    results["mlp"]["cpu_steal_share"] = mlp_steal.share
+    print(_report("MLP", results["mlp"], "steps_per_s", ["torch_eager", "handwritten_jax"]))
+    with StealMeter() as cnn_steal:
+        results["seed_cnn"] = cnn_benchmark()
+    results["seed_cnn"]["cpu_steal_share"] = cnn_steal.share
+    print(_report("CNN", results["seed_cnn"], "images_per_s", ["torch_eager", "handwritten_jax_im2col"]))
+    print(f"CPU time stolen by the hypervisor: MLP {mlp_steal.share:.1%}, CNN {cnn_steal.share:.1%}"
+          if mlp_steal.share is not None else "CPU steal time: not reported by this system")
     results["environment"] = {"jax": jax.__version__, "torch": torch.__version__,
                               "torch_threads": torch.get_num_threads(), "rounds": ROUNDS,
                               "load_average_1min": os.getloadavg()[0]}
