@@ -9,7 +9,8 @@ compiled in::
 ``conv_algorithm``: ``"xla"`` lowers ``aten.convolution`` to ``lax.conv_general_dilated``, which
 XLA:CPU runs fast at a program's top level; ``"im2col"`` lowers it to static slices and one
 matrix product, which stays fast inside a ``lax.scan`` where XLA:CPU's convolution falls back
-to a slow generic loop. Both give torch's numbers.
+to a slow generic loop; ``"in_loop"``, what programs use inside loops, is im2col except for an
+input with a single channel (see ``lowerings/convolution.py``). All give torch's numbers.
 """
 
 import contextlib
@@ -18,8 +19,8 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Literal
 
-ConvAlgorithm = Literal["xla", "im2col"]
-CONV_ALGORITHMS = ("xla", "im2col")
+ConvAlgorithm = Literal["xla", "im2col", "in_loop"]
+CONV_ALGORITHMS = ("xla", "im2col", "in_loop")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -328,7 +328,7 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
     def device_program(state, inputs, hyper, key, index):
         keys = _iteration_keys(key, index, schedule)
         carry = (state["params"], state["buffers"], state["opt"], state["scaler"], hyper)
-        with lowering_options(conv_algorithm="im2col" if schedule.device_iterations > 1 or
+        with lowering_options(conv_algorithm="in_loop" if schedule.device_iterations > 1 or
                               schedule.accumulation > 1 else "xla"):
             (params, buffers, opt_state, scaler, _), (arrays, logs) = device_loop(
                 iteration, carry, (inputs, keys), schedule, totals or {})
@@ -362,7 +362,7 @@ def inference_call(forward: Callable, schedule: Schedule, mesh, layout: OutputLa
             return _from_replica_zero(new_buffers, local, mesh.size), jax.tree.map(lambda y: y[None], arrays)
 
         keys = _iteration_keys(key, index, schedule)
-        with lowering_options(conv_algorithm="im2col" if schedule.device_iterations > 1 else "xla"):
+        with lowering_options(conv_algorithm="in_loop" if schedule.device_iterations > 1 else "xla"):
             buffers, (arrays, logs) = device_loop(iteration, state["buffers"], (inputs, keys), schedule,
                                                   totals or {})
         return {"params": params, "buffers": buffers}, arrays, logs

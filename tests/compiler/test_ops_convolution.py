@@ -1,6 +1,7 @@
 """Convolution and pooling lowerings against torch.
 
-Every convolution case runs under both convolution algorithms (XLA's convolution and im2col).
+Every convolution case runs under both convolution algorithms (XLA's convolution and im2col);
+``"in_loop"`` picks one of them per convolution, and a test checks which.
 Half-precision convolutions accumulate in float32 and round once, like torch's CPU kernels, so
 the harness's default fp16/bf16 tolerances hold.
 
@@ -15,7 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ipu_backend.compiler.lowering_options import CONV_ALGORITHMS, lowering_options
+import jax
+import jax.numpy as jnp
+
+from ipu_backend.compiler.lowering_options import lowering_options
+from ipu_backend.compiler.lowerings.convolution import convolution
 from tests.compiler.harness import OpCase, case_params, check_case
 
 aten = torch.ops.aten
@@ -180,11 +185,23 @@ POOL_CASES = [
 CASES = CONV_CASES + POOL_CASES
 
 
-@pytest.mark.parametrize("algorithm", CONV_ALGORITHMS)
+@pytest.mark.parametrize("algorithm", ["xla", "im2col"])
 @pytest.mark.parametrize("case,dtype", case_params(CONV_CASES))
 def test_convolution(case, dtype, algorithm):
     with lowering_options(conv_algorithm=algorithm):
         check_case(case, dtype)
+
+
+@pytest.mark.parametrize("channels,uses_xla", [(1, True), (3, False)])
+def test_in_loop_algorithm_keeps_xla_convolution_for_single_channel_input(channels, uses_xla):
+    x, weight = jnp.ones((2, channels, 8, 8)), jnp.ones((4, channels, 3, 3))
+
+    def conv(x, weight):
+        return convolution(None, x, weight, None, [1], [0], [1], False, [0], 1)
+
+    with lowering_options(conv_algorithm="in_loop"):
+        jaxpr = str(jax.make_jaxpr(conv)(x, weight))
+    assert ("conv_general_dilated" in jaxpr) == uses_xla
 
 
 @pytest.mark.parametrize("case,dtype", case_params(POOL_CASES))

@@ -75,8 +75,9 @@ def test_device_iterations_equal_torch_steps_and_split_calls():
 
 
 class SmallCNN(torch.nn.Module):
-    """Two convolutions (the second's input gradient is im2col's summed one), tiling and
-    overlapping max pooling, as device iterations lower them inside the scan."""
+    """Two convolutions (the first, on a single-channel input, XLA's; the second im2col, whose
+    input gradient is its summed one), tiling and overlapping max pooling, as device iterations
+    lower them inside the scan."""
 
     def __init__(self):
         super().__init__()
