@@ -170,12 +170,13 @@ def _gradient_computed_once_bwd(_, gradient):
 
 _gradient_computed_once.defvjp(_gradient_computed_once_fwd, _gradient_computed_once_bwd)
 
+
 def _conv_in_loop(x, weight, **config):
     """The convolution inside a loop: im2col, except where the input has a single channel (a
     grayscale image's first layer). There XLA:CPU's in-loop convolution is not slow, and im2col's
     channel-major product would cost a layout change of the layer's output and of its gradient:
     with XLA's convolution for its first layer, the seed CNN's step with device iterations ran
-    1.22-1.28× faster (three A/B runs in one process; PyTorch's MNIST example network, whose
+    1.22-1.28× faster (four A/B runs in one process; PyTorch's MNIST example network, whose
     first layer has 32 output channels, ran the same). With 3 or more input channels XLA's
     convolution ran 2.5-5× slower than im2col inside a loop."""
     if x.shape[1] == 1:
