@@ -72,8 +72,8 @@ def rates_and_ratios(times: dict, samples: int, of: str, to: list) -> tuple[dict
     rates = {name: samples / min(seconds) for name, seconds in times.items()}
     ratios = {}
     for other in to:
-        ratios[f"executor_vs_{other}"] = rates[of] / rates[other]
-        ratios[f"executor_vs_{other}_median_of_rounds"] = statistics.median(
+        ratios[f"{of}_vs_{other}"] = rates[of] / rates[other]
+        ratios[f"{of}_vs_{other}_median_of_rounds"] = statistics.median(
             theirs / ours for ours, theirs in zip(times[of], times[other]))
     return rates, ratios
 
