@@ -52,7 +52,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ipu_backend.compiler import compile_module
-from ipu_backend.compiler.lowering_options import lowering_options
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, totals_of
 from ipu_backend.enums import OutputMode
 from ipu_backend.errors import Error
@@ -481,9 +480,8 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
     def device_program(state, inputs, hypers, key):
         keys = jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(schedule.device_iterations))
         carry = (state["params"], state["buffers"], state["opt"], state["scaler"])
-        with lowering_options(conv_algorithm="in_loop" if schedule.device_iterations > 1 else "xla"):
-            (params, buffers, opt_states, scaler), ys = _loop(iteration, carry, (inputs, keys, hypers),
-                                                              schedule.device_iterations)
+        (params, buffers, opt_states, scaler), ys = _loop(iteration, carry, (inputs, keys, hypers),
+                                                          schedule.device_iterations)
         arrays, logs = call_outputs(*ys, schedule, totals)
         return {"params": params, "buffers": buffers, "opt": opt_states, "scaler": scaler}, arrays, logs
 

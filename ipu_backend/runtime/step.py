@@ -48,11 +48,18 @@ def split_batch(array, schedule: Schedule):
                          micro, *array.shape[1:])
 
 
+def _scan(body, carry, xs):
+    """``lax.scan`` with ``body`` lowered for a loop: convolutions traced in it use
+    ``conv_algorithm="in_loop"``, which XLA:CPU keeps fast inside a loop."""
+    with lowering_options(conv_algorithm="in_loop"):
+        return jax.lax.scan(body, carry, xs)
+
+
 def _loop(body, carry, xs, length):
-    """``lax.scan`` when there is more than one step, else one direct call (convolutions stay
+    """:func:`_scan` when there is more than one step, else one direct call (convolutions stay
     in XLA's fast top-level layout then)."""
     if length > 1:
-        return jax.lax.scan(body, carry, xs)
+        return _scan(body, carry, xs)
     carry, ys = body(carry, jax.tree.map(lambda x: x[0], xs))
     return carry, jax.tree.map(lambda y: y[None], ys)
 
@@ -143,7 +150,7 @@ def device_loop(iteration, carry, xs, schedule: Schedule, totals: dict):
         running = {n: _combine(how, running[n], ys[1][n]) for n, how in totals.items()}
         return (inner, kept, running), None
 
-    (carry, kept, running), _ = jax.lax.scan(body, (carry, kept, running), xs)
+    (carry, kept, running), _ = _scan(body, (carry, kept, running), xs)
     if final:
         arrays, logs = jax.tree.map(lambda y: y[None, -1:], kept)
     else:
@@ -328,10 +335,8 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
     def device_program(state, inputs, hyper, key, index):
         keys = _iteration_keys(key, index, schedule)
         carry = (state["params"], state["buffers"], state["opt"], state["scaler"], hyper)
-        with lowering_options(conv_algorithm="in_loop" if schedule.device_iterations > 1 or
-                              schedule.accumulation > 1 else "xla"):
-            (params, buffers, opt_state, scaler, _), (arrays, logs) = device_loop(
-                iteration, carry, (inputs, keys), schedule, totals or {})
+        (params, buffers, opt_state, scaler, _), (arrays, logs) = device_loop(
+            iteration, carry, (inputs, keys), schedule, totals or {})
         return {"params": params, "buffers": buffers, "opt": opt_state, "scaler": scaler}, arrays, logs
 
     sharded = jax.shard_map(
@@ -362,9 +367,8 @@ def inference_call(forward: Callable, schedule: Schedule, mesh, layout: OutputLa
             return _from_replica_zero(new_buffers, local, mesh.size), jax.tree.map(lambda y: y[None], arrays)
 
         keys = _iteration_keys(key, index, schedule)
-        with lowering_options(conv_algorithm="in_loop" if schedule.device_iterations > 1 else "xla"):
-            buffers, (arrays, logs) = device_loop(iteration, state["buffers"], (inputs, keys), schedule,
-                                                  totals or {})
+        buffers, (arrays, logs) = device_loop(iteration, state["buffers"], (inputs, keys), schedule,
+                                              totals or {})
         return {"params": params, "buffers": buffers}, arrays, logs
 
     sharded = jax.shard_map(

@@ -280,18 +280,10 @@ def _torch_choice(taps, valid):
     patches = jnp.stack(taps, axis=-1)
     order = np.arange(len(taps))
     best = jnp.max(patches, axis=-1, keepdims=True)
-    preference = _torch_preference(patches, best, order, len(taps), valid)
+    preference = jnp.where(valid & (patches == best), len(taps) - order, 0)
+    if jnp.issubdtype(patches.dtype, jnp.floating):
+        preference = jnp.where(valid & jnp.isnan(patches), len(taps) + order, preference)
     return jnp.argmax(preference, axis=-1)[..., None] == order
-
-
-def _torch_preference(windows, best, order, size, valid=True):
-    """Each window element's rank in torch's choice (``val > max || isnan(val)`` in row-major
-    ``order`` over windows of ``size``): the first maximum ranks highest, unless the window holds
-    NaN, where the last NaN does; elements outside the input (not ``valid``) rank 0."""
-    preference = jnp.where(valid & (windows == best), size - order, 0)
-    if jnp.issubdtype(windows.dtype, jnp.floating):
-        preference = jnp.where(valid & jnp.isnan(windows), size + order, preference)
-    return preference
 
 
 def _window_sum(taps, valid):
@@ -368,8 +360,9 @@ def _tiled_torch_choice(windows, best, kernel, window_axes):
     taps = [at(position) for position in positions]
     masks, seen = [], jnp.zeros(best.shape, bool)
     for tap in taps:
-        masks.append((tap == best) & ~seen)
-        seen = seen | (tap == best)
+        is_max = tap == best
+        masks.append(is_max & ~seen)
+        seen = seen | is_max
     if jnp.issubdtype(windows.dtype, jnp.floating):
         last_nans, later = [], jnp.zeros(best.shape, bool)
         for tap in reversed(taps):
