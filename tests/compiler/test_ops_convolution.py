@@ -139,6 +139,7 @@ POOL_CASES = [
           pool(F.max_pool2d, with_ties(2, 3, 9, 8), 2, return_indices=True),
           pool(F.max_pool2d, with_nan_and_inf(1, 2, 6, 6), (3, 2), return_indices=True),
           pool(F.max_pool1d, with_ties(2, 3, 10), 3, return_indices=True),
+          pool(F.max_pool2d, randn(2, 2, 3, 3), 1, return_indices=True),   # one-element windows
           ops=MAX_POOL_2D),
     calls("max_pool2d_tiling_windows_integer",
           pool(F.max_pool2d, randint(2, 6, 4), 2, return_indices=True),
