@@ -10,6 +10,8 @@ The hand-written encoder does torch's math: attention scales q and k by ``head_d
 each and a row whose every score is -inf gives zeros (torch's ``_safe_softmax``), as the
 compiled program must. ``handwritten_jax_plain_softmax`` drops that row rule (NaN there, the
 usual ``jax.nn.softmax``) and scales the scores once: a looser baseline, reported beside it.
+The hand-written seed CNN uses ``lax.conv_general_dilated``, as a JAX user writes it; the
+compiled program lowers its convolutions as im2col on the CPU (``conv_algorithm="auto"``).
 """
 
 import json

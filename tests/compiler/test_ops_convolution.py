@@ -1,7 +1,7 @@
 """Convolution and pooling lowerings against torch.
 
 Every convolution case runs under both convolution algorithms (XLA's convolution and im2col);
-``"in_loop"`` picks one of them per convolution, and a test checks which.
+``"auto"`` and ``"in_loop"`` pick one of them per convolution and backend, and tests check which.
 Half-precision convolutions accumulate in float32 and round once, like torch's CPU kernels, so
 the harness's default fp16/bf16 tolerances hold.
 
@@ -19,7 +19,8 @@ import torch.nn.functional as F
 import jax
 import jax.numpy as jnp
 
-from ipu_backend.compiler.lowering_options import lowering_options
+from ipu_backend.compiler.lowering_options import current_options, lowering_options
+from ipu_backend.compiler.lowerings import convolution as convolution_module
 from ipu_backend.compiler.lowerings.convolution import convolution
 from tests.compiler.harness import OpCase, case_params, check_case
 
@@ -193,16 +194,33 @@ def test_convolution(case, dtype, algorithm):
         check_case(case, dtype)
 
 
-@pytest.mark.parametrize("channels,uses_xla", [(1, True), (3, False)])
-def test_in_loop_algorithm_keeps_xla_convolution_for_single_channel_input(channels, uses_xla):
+def _uses_xla_convolution(algorithm: str, channels: int) -> bool:
+    """Whether a ``channels``-input convolution traced under ``algorithm`` is XLA's convolution."""
     x, weight = jnp.ones((2, channels, 8, 8)), jnp.ones((4, channels, 3, 3))
 
     def conv(x, weight):
         return convolution(None, x, weight, None, [1], [0], [1], False, [0], 1)
 
-    with lowering_options(conv_algorithm="in_loop"):
-        jaxpr = str(jax.make_jaxpr(conv)(x, weight))
-    assert ("conv_general_dilated" in jaxpr) == uses_xla
+    with lowering_options(conv_algorithm=algorithm):
+        return "conv_general_dilated" in str(jax.make_jaxpr(conv)(x, weight))
+
+
+@pytest.mark.parametrize("channels,uses_xla", [(1, True), (3, False)])
+def test_in_loop_algorithm_keeps_xla_convolution_for_single_channel_input(channels, uses_xla):
+    assert _uses_xla_convolution("in_loop", channels) == uses_xla
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_auto_algorithm_is_the_default_and_im2col_on_the_cpu(channels):
+    assert current_options().conv_algorithm == "auto"
+    assert jax.default_backend() == "cpu"
+    assert not _uses_xla_convolution("auto", channels)
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "in_loop"])
+def test_other_backends_get_xla_convolution(algorithm, monkeypatch):
+    monkeypatch.setattr(convolution_module, "_on_cpu", lambda: False)
+    assert _uses_xla_convolution(algorithm, 3)
 
 
 @pytest.mark.parametrize("case,dtype", case_params(POOL_CASES))

@@ -2,8 +2,9 @@
 
 ``aten.convolution`` has two algorithms with the same numbers, chosen by
 ``lowering_options(conv_algorithm=...)``: XLA's convolution, or im2col (static slices of the
-padded input, then one matrix product), which XLA:CPU keeps fast inside loops. Inside loops
-(``"in_loop"``) a single-channel input keeps XLA's convolution: see :func:`_conv_in_loop`.
+padded input, then one matrix product). On the CPU im2col is the faster one, at a program's top
+level (``"auto"``) and inside loops (``"in_loop"``, where a single-channel input keeps XLA's
+convolution: see :func:`_conv_in_loop`); other backends get XLA's convolution for both.
 
 Pooling whose windows tile the input reshapes it and reduces the window axes; other pooling
 gathers each output's window into a trailing axis (static slices for strided windows,
@@ -171,20 +172,34 @@ def _gradient_computed_once_bwd(_, gradient):
 _gradient_computed_once.defvjp(_gradient_computed_once_fwd, _gradient_computed_once_bwd)
 
 
+def _on_cpu() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def _conv_auto(x, weight, **config):
+    """The convolution at a program's top level: im2col on the CPU, where XLA's convolution (an
+    Eigen kernel there) ran 1.2-2.9× slower forward and backward for every layer measured (the
+    seed CNN's, PyTorch's MNIST example's, CIFAR-sized 3×3 layers, strided and 1×1 ones; the
+    seed CNN's training step with one device iteration 1.3× faster); XLA's convolution elsewhere."""
+    return (_conv_im2col if _on_cpu() else _conv_xla)(x, weight, **config)
+
+
 def _conv_in_loop(x, weight, **config):
-    """The convolution inside a loop: im2col, except where the input has a single channel (a
-    grayscale image's first layer). There XLA:CPU's in-loop convolution is not slow, and im2col's
-    channel-major product would cost a layout change of the layer's output and of its gradient:
-    with XLA's convolution for its first layer, the seed CNN's step with device iterations ran
-    1.22-1.28× faster (four A/B runs in one process; PyTorch's MNIST example network, whose
-    first layer has 32 output channels, ran the same). With 3 or more input channels XLA's
-    convolution ran 2.5-5× slower than im2col inside a loop."""
-    if x.shape[1] == 1:
+    """The convolution inside a loop on the CPU: im2col, except where the input has a single
+    channel (a grayscale image's first layer). There XLA:CPU's in-loop convolution is not slow,
+    and im2col's channel-major product would cost a layout change of the layer's output and of
+    its gradient: with XLA's convolution for its first layer, the seed CNN's step with device
+    iterations ran 1.22-1.28× faster (four A/B runs in one process; PyTorch's MNIST example
+    network, whose first layer has 32 output channels, ran the same). With 3 or more input
+    channels XLA's convolution ran 2.5-5× slower than im2col inside a loop. Other backends:
+    XLA's convolution."""
+    if x.shape[1] == 1 or not _on_cpu():
         return _conv_xla(x, weight, **config)
     return _conv_im2col(x, weight, **config)
 
 
-_CONV_ALGORITHMS = {"xla": _conv_xla, "im2col": _conv_im2col, "in_loop": _conv_in_loop}
+_CONV_ALGORITHMS = {"auto": _conv_auto, "xla": _conv_xla, "im2col": _conv_im2col,
+                    "in_loop": _conv_in_loop}
 
 
 # ---------------------------------------------------------------------------------------------
