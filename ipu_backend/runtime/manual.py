@@ -67,8 +67,8 @@ from ipu_backend.runtime.step import (
     OutputLayout,
     Schedule,
     _from_replica_zero,
-    _loop,
     _replica_keys,
+    _scan,
     call_outputs,
     initial_scaler,
     next_scaler,
@@ -480,8 +480,7 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
     def device_program(state, inputs, hypers, key):
         keys = jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(schedule.device_iterations))
         carry = (state["params"], state["buffers"], state["opt"], state["scaler"])
-        (params, buffers, opt_states, scaler), ys = _loop(iteration, carry, (inputs, keys, hypers),
-                                                          schedule.device_iterations)
+        (params, buffers, opt_states, scaler), ys = _scan(iteration, carry, (inputs, keys, hypers))
         arrays, logs = call_outputs(*ys, schedule, totals)
         return {"params": params, "buffers": buffers, "opt": opt_states, "scaler": scaler}, arrays, logs
 
