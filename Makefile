@@ -24,6 +24,7 @@ test: setup
 bench: setup
 	$(PY) bench/compiler_throughput.py
 	$(PY) bench/device_iterations.py
+	$(PY) bench/core_scaling.py
 	$(PY) bench/pipeline_overhead.py
 	$(PY) bench/lightning_trainer.py
 
