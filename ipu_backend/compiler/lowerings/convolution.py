@@ -119,16 +119,20 @@ def _conv_im2col(x, weight, *, window_strides, pads, input_dilation, kernel_dila
     gradient, which sums one term per kernel offset, is rounded once, as torch's is."""
     dtype = accumulation_dtype(x.dtype) or x.dtype
     x = jnp.moveaxis(x.astype(dtype), 1, 0)
-    if np.prod(weight.shape[2:]) > 1:
+    strided = any(s > 1 for s in window_strides)
+    if strided and np.prod(weight.shape[2:]) > 1:
         x = _gradient_computed_once(x)
     x = lax.pad(x, jnp.zeros((), dtype), [(0, 0, 0), (0, 0, 0)]
                 + [(lo, hi, d - 1) for (lo, hi), d in zip(pads, input_dilation)])
     kernel = weight.shape[2:]
-    out_size = [(size - d * (k - 1) - 1) // s + 1
-                for size, k, d, s in zip(x.shape[2:], kernel, kernel_dilation, window_strides)]
-    taps = _window_slices(x, 2, out_size, kernel, window_strides, kernel_dilation)
+    out_size = tuple((size - d * (k - 1) - 1) // s + 1
+                     for size, k, d, s in zip(x.shape[2:], kernel, kernel_dilation, window_strides))
+    if strided:
+        stacked = jnp.stack(_window_slices(x, 2, out_size, kernel, window_strides, kernel_dilation))
+    else:
+        stacked = _unit_stride_columns(x, x.shape, out_size, tuple(kernel), tuple(kernel_dilation))
     in_channels, batch = x.shape[:2]
-    columns = jnp.stack(taps).reshape(len(taps), groups, in_channels // groups, -1)
+    columns = stacked.reshape(stacked.shape[0], groups, in_channels // groups, -1)
     out_channels = weight.shape[0]
     # (out, in/groups, *kernel) -> (groups, out/groups, offsets · in/groups), the columns' order
     weight = jnp.moveaxis(weight.astype(dtype), 1, -1).reshape(groups, out_channels // groups, -1)
@@ -141,13 +145,42 @@ def _conv_im2col(x, weight, *, window_strides, pads, input_dilation, kernel_dila
     return jnp.moveaxis(out.reshape(out_channels, batch, *out_size), 0, 1)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _unit_stride_columns(x, shape, out_size, kernel, dilation):
+    """im2col's columns for windows of stride 1 over ``x`` (of ``shape``): one slice per kernel
+    offset, stacked. Their gradient adds each offset's slice of the incoming gradient in place
+    into one buffer, offset after offset (a dynamic-update-slice each), where JAX's transpose
+    of the slices pads each back to the input's size and XLA:CPU fuses the sum of the padded
+    slices into one kernel testing every term's bounds per element, then recomputes it in each
+    consumer unless something stops it: the seed CNN's training step with device iterations
+    ran 1.04-1.07x faster this way than with the padded sum passed through
+    :func:`_gradient_computed_once` (two A/B runs in one process)."""
+    return jnp.stack(_window_slices(x, 2, out_size, kernel, (1,) * len(kernel), dilation))
+
+
+def _unit_stride_columns_fwd(x, shape, out_size, kernel, dilation):
+    return _unit_stride_columns(x, shape, out_size, kernel, dilation), None
+
+
+def _unit_stride_columns_bwd(shape, out_size, kernel, dilation, _, gradient):
+    total = jnp.zeros(shape, gradient.dtype)
+    for index, offset in enumerate(itertools.product(*(range(k) for k in kernel))):
+        start = (0, 0) + tuple(o * d for o, d in zip(offset, dilation))
+        current = lax.dynamic_slice(total, start, shape[:2] + out_size)
+        total = lax.dynamic_update_slice(total, current + gradient[index], start)
+    return (total,)
+
+
+_unit_stride_columns.defvjp(_unit_stride_columns_fwd, _unit_stride_columns_bwd)
+
+
 @jax.custom_vjp
 def _gradient_computed_once(x):
     """The identity, whose gradient passes through a product with an identity matrix over
-    blocks of the leading (channel) axis. The im2col input gradient is a sum of one padded
-    slice per kernel offset, which XLA:CPU fuses into each of its consumers and recomputes per
-    element read: four times under a 2×2 max pooling's gradient, again for the kernel gradient
-    of the layer below. A matrix product is never fused into its consumers, so the sum is
+    blocks of the leading (channel) axis. For strided windows, the im2col input gradient is a
+    sum of one padded slice per kernel offset, which XLA:CPU fuses into each of its consumers
+    and recomputes per element read: four times under a 2×2 max pooling's gradient, again for
+    the kernel gradient of the layer below. A matrix product is never fused into its consumers, so the sum is
     computed once. The blocks hold at most 16 channels, bounding the product's cost to 16
     multiply-adds per element; the one difference it makes is that a non-finite gradient
     element turns the others of its block into NaN."""
