@@ -154,7 +154,7 @@ def _unit_stride_columns(x, shape, out_size, kernel, dilation):
     slices into one kernel testing every term's bounds per element, then recomputes it in each
     consumer unless something stops it: the seed CNN's training step with device iterations
     ran 1.04-1.07x faster this way than with the padded sum passed through
-    :func:`_gradient_computed_once` (two A/B runs in one process)."""
+    :func:`_gradient_computed_once` (three A/B runs in one process)."""
     return jnp.stack(_window_slices(x, 2, out_size, kernel, (1,) * len(kernel), dilation))
 
 
@@ -180,10 +180,10 @@ def _gradient_computed_once(x):
     blocks of the leading (channel) axis. For strided windows, the im2col input gradient is a
     sum of one padded slice per kernel offset, which XLA:CPU fuses into each of its consumers
     and recomputes per element read: four times under a 2×2 max pooling's gradient, again for
-    the kernel gradient of the layer below. A matrix product is never fused into its consumers, so the sum is
-    computed once. The blocks hold at most 16 channels, bounding the product's cost to 16
-    multiply-adds per element; the one difference it makes is that a non-finite gradient
-    element turns the others of its block into NaN."""
+    the kernel gradient of the layer below. A matrix product is never fused into its
+    consumers, so the sum is computed once. The blocks hold at most 16 channels, bounding the
+    product's cost to 16 multiply-adds per element; the one difference it makes is that a
+    non-finite gradient element turns the others of its block into NaN."""
     return x
 
 
