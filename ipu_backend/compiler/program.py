@@ -3,7 +3,6 @@
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import jax
 import torch
 import torch.utils._pytree as torch_pytree
 from torch.export.graph_signature import InputKind, OutputKind

@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from ipu_backend.blocks import RECOMPUTATION_CHECKPOINT_NAME, PipelinedExecution, ShardedExecution
 from ipu_backend.compiler import capture
 from ipu_backend.compiler.dtypes import jax_dtype
+from ipu_backend.compiler.lowerings.linalg import MATRIX_PRODUCT_NAME
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX
 from ipu_backend.errors import Error
 from ipu_backend.runtime import memory
@@ -256,7 +257,8 @@ class _Stage:
         elif recompute == _RECOMPUTE_STANDARD:
             fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.save_from_both_policies(
                 jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-                jax.checkpoint_policies.save_only_these_names(RECOMPUTATION_CHECKPOINT_NAME)))
+                jax.checkpoint_policies.save_only_these_names(RECOMPUTATION_CHECKPOINT_NAME,
+                                                              MATRIX_PRODUCT_NAME)))
         return jax.vjp(lambda p, r: fn(p, r, rest), params, received_float, has_aux=True)
 
     def _residuals(self, params, data):

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from ipu_backend.compiler.lowering_options import current_options, lowering_options
-from ipu_backend.compiler.lowerings import convolution as convolution_module
+from ipu_backend.compiler.lowerings import backend
 from ipu_backend.compiler.lowerings.convolution import convolution
 from tests.compiler.harness import OpCase, case_params, check_case
 
@@ -219,7 +219,7 @@ def test_auto_algorithm_is_the_default_and_im2col_on_the_cpu(channels):
 
 @pytest.mark.parametrize("algorithm", ["auto", "in_loop"])
 def test_other_backends_get_xla_convolution(algorithm, monkeypatch):
-    monkeypatch.setattr(convolution_module, "_on_cpu", lambda: False)
+    monkeypatch.setattr(backend, "on_cpu", lambda: False)
     assert _uses_xla_convolution(algorithm, 3)
 
 

@@ -5,10 +5,16 @@ Half-precision products accumulate in float32 and round once on both sides, so t
 default fp16/bf16 tolerances hold.
 """
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from ipu_backend.compiler import to_jax
+from ipu_backend.compiler.lowerings import backend
+from ipu_backend.compiler.lowerings.linalg import matrix_product
 from tests.compiler.harness import OpCase, case_params, check_case
 
 aten = torch.ops.aten
@@ -105,3 +111,47 @@ CASES = [
 @pytest.mark.parametrize("case,dtype", case_params(CASES))
 def test_linalg(case, dtype):
     check_case(case, dtype)
+
+
+def _compiled_gradient_text(fn, *args) -> str:
+    return jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=(0, 1))).lower(*args) \
+        .compile().as_text()
+
+
+def _dots_contracting_left_rows(hlo: str) -> list[str]:
+    """The compiled dots whose left operand is contracted on its first axis, which XLA:CPU's
+    fast matrix kernel does not take."""
+    return [line for line in hlo.splitlines()
+            if " dot(" in line and "lhs_contracting_dims={0}" in line]
+
+
+@pytest.mark.parametrize("b_transposed", [False, True])
+def test_cpu_matrix_product_gradients_are_rows_times_columns_and_equal_torch(b_transposed):
+    torch.manual_seed(0)
+    a, b = torch.randn(40, 32, requires_grad=True), torch.randn(24, 32, requires_grad=True)
+    cotangent = torch.randn(40, 24)
+    (torch.mm(a, b.t()) * cotangent).sum().backward()
+
+    def product(x, w):
+        return matrix_product(x, w.T if b_transposed else w, b_transposed=b_transposed)
+
+    jax_a, jax_b = to_jax(a.detach()), to_jax(b.detach() if b_transposed else b.detach().t())
+    grads = jax.jit(jax.grad(lambda x, w: jnp.sum(product(x, w) * to_jax(cotangent)),
+                             argnums=(0, 1)))(jax_a, jax_b)
+    b_grad = grads[1] if b_transposed else grads[1].T
+    torch.testing.assert_close(torch.from_numpy(np.asarray(grads[0])), a.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.from_numpy(np.asarray(b_grad)), b.grad, rtol=1e-5, atol=1e-5)
+    assert not _dots_contracting_left_rows(_compiled_gradient_text(product, jax_a, jax_b))
+
+
+def test_jax_gradient_of_a_product_contracts_left_rows():
+    """What :func:`matrix_product` avoids: the check above can fail."""
+    x, w = jnp.ones((40, 32)), jnp.ones((32, 24))
+    assert _dots_contracting_left_rows(_compiled_gradient_text(jnp.matmul, x, w))
+
+
+def test_other_backends_get_jax_gradients_of_products(monkeypatch):
+    monkeypatch.setattr(backend, "on_cpu", lambda: False)
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda x, w: matrix_product(x, w).sum()))(
+        jnp.ones((4, 3)), jnp.ones((3, 2))))
+    assert "custom_vjp" not in jaxpr and "optimization_barrier" not in jaxpr

@@ -29,7 +29,8 @@ import torch
 from jax import lax
 
 from ipu_backend.compiler.lowering_options import current_options
-from ipu_backend.compiler.lowerings.linalg import accumulation_dtype
+from ipu_backend.compiler.lowerings import backend
+from ipu_backend.compiler.lowerings.linalg import accumulation_dtype, matrix_product
 from ipu_backend.compiler.registry import lowering
 
 aten = torch.ops.aten
@@ -137,8 +138,7 @@ def _conv_im2col(x, weight, *, window_strides, pads, input_dilation, kernel_dila
     # (out, in/groups, *kernel) -> (groups, out/groups, offsets · in/groups), the columns' order
     weight = jnp.moveaxis(weight.astype(dtype), 1, -1).reshape(groups, out_channels // groups, -1)
     if groups == 1:
-        out = jnp.matmul(weight[0], columns.reshape(-1, columns.shape[-1]),
-                         precision=lax.Precision.HIGHEST)
+        out = matrix_product(weight[0], columns.reshape(-1, columns.shape[-1]))
     else:
         columns = jnp.swapaxes(columns, 0, 1).reshape(groups, -1, columns.shape[-1])
         out = jnp.matmul(weight, columns, precision=lax.Precision.HIGHEST)
@@ -205,17 +205,13 @@ def _gradient_computed_once_bwd(_, gradient):
 _gradient_computed_once.defvjp(_gradient_computed_once_fwd, _gradient_computed_once_bwd)
 
 
-def _on_cpu() -> bool:
-    return jax.default_backend() == "cpu"
-
-
 def _conv_auto(x, weight, **config):
     """The convolution at a program's top level: im2col on the CPU, where XLA's convolution (an
     Eigen kernel there) ran 1.2-2.9× slower forward and backward for every layer measured (the
     seed CNN's, PyTorch's MNIST example's, CIFAR-sized 3×3 layers, strided and 1×1 ones; the
     seed CNN's training step with one device iteration 1.3× faster); XLA's convolution
     elsewhere."""
-    return (_conv_im2col if _on_cpu() else _conv_xla)(x, weight, **config)
+    return (_conv_im2col if backend.on_cpu() else _conv_xla)(x, weight, **config)
 
 
 def _conv_in_loop(x, weight, **config):
@@ -227,7 +223,7 @@ def _conv_in_loop(x, weight, **config):
     network, whose first layer has 32 output channels, ran the same). With 3 or more input
     channels XLA's convolution ran 2.5-5× slower than im2col inside a loop. Other backends:
     XLA's convolution."""
-    if x.shape[1] == 1 or not _on_cpu():
+    if x.shape[1] == 1 or not backend.on_cpu():
         return _conv_xla(x, weight, **config)
     return _conv_im2col(x, weight, **config)
 
