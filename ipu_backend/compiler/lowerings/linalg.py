@@ -45,13 +45,14 @@ def matrix_product(a, b, *, b_transposed: bool = False):
     """``a @ b`` for 2-D operands (see :func:`einsum`) whose gradients, on the CPU, are products
     XLA:CPU gives its fast (YNNPACK) matrix kernel. That kernel takes a product only where the
     left operand is contracted on its last axis; JAX's gradient for ``b``, ``a.T @ g``,
-    contracts ``a`` on its first and ran on a slower Eigen kernel (the seed CNN's first linear
-    layer: 2.1x slower). Here that gradient multiplies a transposed operand, materialized.
-    ``b_transposed``: ``b`` is a transposed view (F.linear's weight), so ``b``'s gradient is
-    computed transposed, ``g.T @ a``, and the view's own gradient transposes it back: XLA
-    cancels the two transposes. With both gradients so, the seed CNN's training step with
-    device iterations ran 1.04x faster (A/B in one process, 31 rounds) and the bench MLP's
-    device program 1.035x."""
+    contracts ``a`` on its first and goes to an Eigen kernel. Here that gradient multiplies a
+    transposed operand, materialized. ``b_transposed``: ``b`` is a transposed view (F.linear's
+    weight), so ``b``'s gradient is computed transposed, ``g.T @ a``, and the view's own
+    gradient transposes it back: XLA cancels the two transposes.
+    With every product so (linear layers and im2col convolutions), the seed CNN's training step
+    with device iterations ran 1.03-1.04x faster and the bench MLP 1.05-1.07x (A/B runs in one
+    process); with only one of the two kinds so, the CNN ran 0.95x: mixing the two kernels
+    costs more than either."""
     if backend.on_cpu() and jnp.issubdtype(a.dtype, jnp.floating):
         return checkpoint_name(_cpu_matrix_product(a, b, b_transposed), MATRIX_PRODUCT_NAME)
     return einsum("ij,jk->ik", a, b)
