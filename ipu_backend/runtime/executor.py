@@ -51,7 +51,11 @@ class _Compiled:
         self.started = time.perf_counter()
 
 
-def _signature(args) -> tuple:
+def _signature(args: tuple) -> tuple:
+    """The shapes and dtypes of ``args`` (and any non-tensor values), with their structure: a
+    flat tuple of tensors, the usual call, is told apart without building a pytree spec."""
+    if all(type(x) is torch.Tensor for x in args):
+        return tuple((x.shape, x.dtype) for x in args)
     leaves, spec = torch_pytree.tree_flatten(args)
     return (spec,) + tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("const", x)
                            for x in leaves)
@@ -216,10 +220,12 @@ class PoplarExecutor:
     def __call__(self, *args, **kwargs):
         args = self._bind(args, kwargs)
         self._profiler.started()
-        compiled = self._compile(args)
+        groups = self._param_groups()
+        compiled = self._compile(args, groups)
         if not self._attached:
             self.attachToDevice()
-        call_args = self._call_arguments(compiled, args, place_inputs=compiled.executable is None or self._profiling)
+        call_args = self._call_arguments(compiled, args, groups,
+                                         place_inputs=compiled.executable is None or self._profiling)
         self._ensure_executable(compiled, call_args)
         self._profiler.inputs_on_device(call_args)
         state, arrays, logs = compiled.executable(*call_args)
@@ -241,8 +247,9 @@ class PoplarExecutor:
         """Compile for these inputs without running (PopTorch's ``compile``)."""
         args = self._bind(args, kwargs)
         self._profiler.started()
-        compiled = self._compile(args)
-        self._ensure_executable(compiled, self._call_arguments(compiled, args, advance=False))
+        groups = self._param_groups()
+        compiled = self._compile(args, groups)
+        self._ensure_executable(compiled, self._call_arguments(compiled, args, groups, advance=False))
 
     def isCompiled(self) -> bool:
         return any(c.executable is not None for c in self._compiled.values())
@@ -355,17 +362,19 @@ class PoplarExecutor:
 
         return torch_pytree.tree_map(first, args)
 
-    def _cache_key(self, args: tuple) -> tuple:
-        optimizer = self._optimizer
-        structure = None if optimizer is None else (
-            type(optimizer), tuple(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups))
+    def _param_groups(self) -> tuple | None:
+        """:func:`_param_group_values` of the optimizer (None without one), read once a call."""
+        return None if self._optimizer is None else _param_group_values(self._optimizer)
+
+    def _cache_key(self, args: tuple, groups: tuple | None) -> tuple:
+        structure = None if groups is None else (groups[0],) + tuple(group[0] for group in groups[1:])
         return (self._training, self._step_method, self._options_key, structure, self._gradient_clipping,
                 _signature(args))
 
-    def _compile(self, args: tuple) -> _Compiled:
-        signature = self._cache_key(args)
+    def _compile(self, args: tuple, groups: tuple | None) -> _Compiled:
+        signature = self._cache_key(args, groups)
         compiled = self._compiled.get(signature) or _PROGRAMS.setdefault(self._user_model, {}).get(signature)
-        if compiled is not None and (compiled.rule is None or self._rule_matches(compiled.rule)):
+        if compiled is not None and (compiled.rule is None or self._rule_matches(compiled.rule, groups)):
             self._compiled[signature] = compiled
             return compiled
         if self._last_signature is not None:
@@ -379,8 +388,8 @@ class PoplarExecutor:
         self._compiled[signature] = _PROGRAMS[self._user_model][signature] = compiled
         return compiled
 
-    def _call_arguments(self, compiled: _Compiled, args: tuple, advance: bool = True,
-                        place_inputs: bool = True) -> tuple:
+    def _call_arguments(self, compiled: _Compiled, args: tuple, groups: tuple | None,
+                        advance: bool = True, place_inputs: bool = True) -> tuple:
         """What the compiled call takes: device state, the combined batch (on the mesh if
         ``place_inputs``, else host arrays that the compiled call copies itself), the optimizer's
         current hyper-parameters (training), the executor's random key and the call's index (the
@@ -393,7 +402,7 @@ class PoplarExecutor:
         params, buffers = self._store.device_state()
         state = {"params": params, "buffers": buffers}
         if self._training:
-            hyper = self._hyperparameters(compiled.rule, mesh)
+            hyper = self._hyperparameters(compiled.rule, mesh, groups)
             state.update(opt=self._optimizer_state(compiled.rule, params),
                          scaler=self._scaler_state(compiled.rule, hyper))
         if mesh is not None and not self._is_resident(state):
@@ -412,9 +421,9 @@ class PoplarExecutor:
         last = self._resident
         return last is not None and all(value is last.get(name) for name, value in state.items())
 
-    def _rule_matches(self, rule) -> bool:
-        """``rule.matches(optimizer)``, checked again only when the param groups changed."""
-        values = _param_group_values(self._optimizer)
+    def _rule_matches(self, rule, values: tuple) -> bool:
+        """``rule.matches(optimizer)``, checked again only when the param groups (``values``,
+        :meth:`_param_groups`) changed."""
         if self._matched is not None and self._matched[0] is rule and self._matched[1] == values:
             return True
         if not rule.matches(self._optimizer):
@@ -422,10 +431,9 @@ class PoplarExecutor:
         self._matched = (rule, values)
         return True
 
-    def _hyperparameters(self, rule, mesh):
-        """The optimizer's hyper-parameters on the mesh, rebuilt only when its param groups changed
-        (``setOptimizer``, a learning-rate scheduler, a value set by hand)."""
-        values = _param_group_values(self._optimizer)
+    def _hyperparameters(self, rule, mesh, values: tuple):
+        """The optimizer's hyper-parameters on the mesh, rebuilt only when its param groups
+        (``values``) changed (``setOptimizer``, a learning-rate scheduler, a value set by hand)."""
         cached = self._hyper
         if cached is None or cached[0] is not rule or cached[1] != values:
             hyper = rule.hyperparameters(self._optimizer)

@@ -35,7 +35,9 @@ def inputs_to_device(args: tuple, schedule: Schedule, mesh) -> list:
 def output_to_host(array, dtype: torch.dtype) -> torch.Tensor:
     """``[R, D', A', *s]`` → PopTorch's shape: micro-batch outputs concatenated in input order
     (iteration, micro-batch, replica); scalars stacked, and a single scalar stays 0-d."""
-    host = np.moveaxis(np.asarray(array), 0, 2)     # [D', A', R, *s]
+    host = np.asarray(array)
+    if host.shape[0] > 1:
+        host = np.moveaxis(host, 0, 2)             # [D', A', R, *s]; one replica: already so
     count = host.shape[0] * host.shape[1] * host.shape[2]
     if host.ndim == 3:
         host = host.reshape(()) if count == 1 else host.reshape(count)
