@@ -205,6 +205,26 @@ def _uses_xla_convolution(algorithm: str, channels: int) -> bool:
         return "conv_general_dilated" in str(jax.make_jaxpr(conv)(x, weight))
 
 
+def _largest_compiled_concatenate(stride: int) -> int:
+    """The most operands of any concatenate in the compiled gradient of a 5×5 im2col convolution."""
+    x, weight = jnp.ones((2, 3, 12, 12)), jnp.ones((4, 3, 5, 5))
+
+    def loss(x, weight):
+        return jnp.sum(jnp.sin(convolution(None, x, weight, None, [stride], [1], [1], False, [0], 1)))
+
+    with lowering_options(conv_algorithm="im2col"):
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, weight).compile().as_text()
+    return max((line.split("concatenate(", 1)[1].split(")")[0].count("%")
+                for line in hlo.splitlines() if " concatenate(" in line), default=0)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_im2col_stacks_at_most_eight_slices_at_once(stride):
+    """XLA:CPU fuses a concatenate of at most 8 operands with their producers; 25 kernel offsets
+    stacked at once were a kernel per slice and a copy of them all."""
+    assert 1 < _largest_compiled_concatenate(stride) <= 8
+
+
 @pytest.mark.parametrize("channels,uses_xla", [(1, True), (3, False)])
 def test_in_loop_algorithm_keeps_xla_convolution_for_single_channel_input(channels, uses_xla):
     assert _uses_xla_convolution("in_loop", channels) == uses_xla

@@ -20,6 +20,7 @@ rather than once per primitive.
 import functools
 import inspect
 import itertools
+import math
 import operator
 
 import jax
@@ -62,6 +63,26 @@ def _window_slices(x, first_axis, out_size, kernel, stride, dilation):
             start[axis], limit[axis], strides[axis] = o * d, o * d + (m - 1) * s + 1, s
         slices.append(lax.slice(x, start, limit, strides))
     return slices
+
+
+def _staged_windows(x, first_axis, out_size, kernel, stride, dilation):
+    """Every window element of ``x`` (the axes from ``first_axis`` on spatial), stacked one
+    spatial axis at a time: the slices along the first spatial axis are stacked, the slices of
+    that along the second stacked in front, and so on, giving (k_n, ..., k_1, *lead, *out_size)
+    (the offsets in reversed axis order). XLA:CPU fuses a concatenate of at most 8 operands
+    with what computes them, so each stage is one kernel; one stack of all k_1···k_n slices (25
+    for 5×5) was a kernel per slice and a copy of them all. The seed CNN's training step with
+    device iterations ran 1.03-1.04x faster so (A/B in one process)."""
+    stacked = x
+    for stage, (m, k, s, d) in enumerate(zip(out_size, kernel, stride, dilation)):
+        axis = 2 * stage + first_axis        # ``stage`` offset axes now lead
+        slices = []
+        for offset in range(k):
+            start, limit, strides = [0] * stacked.ndim, list(stacked.shape), [1] * stacked.ndim
+            start[axis], limit[axis], strides[axis] = offset * d, offset * d + (m - 1) * s + 1, s
+            slices.append(lax.slice(stacked, start, limit, strides))
+        stacked = jnp.stack(slices)
+    return stacked
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,9 +132,10 @@ def _conv_xla(x, weight, *, window_strides, pads, input_dilation, kernel_dilatio
 @_jit_with_static_keywords
 def _conv_im2col(x, weight, *, window_strides, pads, input_dilation, kernel_dilation, groups):
     """Channel-major im2col: the input as (channels, batch, *spatial), padded (and dilated) once;
-    one strided slice per kernel offset, stacked offset-major into columns of shape
-    (offsets · channels, batch · output positions); and the kernel, laid out to match, times the
-    columns: one 2-D matrix product (batched over groups). Each offset's slice is copied whole,
+    one strided slice per kernel offset, stacked offset-major (:func:`_staged_windows`: the last
+    spatial axis's offset outermost) into columns of shape (offsets · channels, batch · output
+    positions); and the kernel, laid out to match, times the columns: one 2-D matrix product
+    (batched over groups). Each offset's slice is copied whole,
     the products' long axis is the contiguous one, and the result is (out channels, batch,
     *spatial), which the spatial-minor ops around it read without a layout copy.
     Half precision is computed in float32, where its products are exact, so that the input's
@@ -129,14 +151,16 @@ def _conv_im2col(x, weight, *, window_strides, pads, input_dilation, kernel_dila
     out_size = tuple((size - d * (k - 1) - 1) // s + 1
                      for size, k, d, s in zip(x.shape[2:], kernel, kernel_dilation, window_strides))
     if strided:
-        stacked = jnp.stack(_window_slices(x, 2, out_size, kernel, window_strides, kernel_dilation))
+        stacked = _staged_windows(x, 2, out_size, kernel, window_strides, kernel_dilation)
     else:
         stacked = _unit_stride_columns(x, x.shape, out_size, tuple(kernel), tuple(kernel_dilation))
     in_channels, batch = x.shape[:2]
-    columns = stacked.reshape(stacked.shape[0], groups, in_channels // groups, -1)
+    columns = stacked.reshape(-1, groups, in_channels // groups, batch * math.prod(out_size))
     out_channels = weight.shape[0]
-    # (out, in/groups, *kernel) -> (groups, out/groups, offsets · in/groups), the columns' order
-    weight = jnp.moveaxis(weight.astype(dtype), 1, -1).reshape(groups, out_channels // groups, -1)
+    # (out, in/groups, k_1, ..., k_n) -> (groups, out/groups, k_n ··· k_1 · in/groups), the
+    # columns' order
+    weight = jnp.transpose(weight.astype(dtype), (0, *range(weight.ndim - 1, 1, -1), 1))
+    weight = weight.reshape(groups, out_channels // groups, -1)
     if groups == 1:
         out = matrix_product(weight[0], columns.reshape(-1, columns.shape[-1]))
     else:
@@ -148,14 +172,14 @@ def _conv_im2col(x, weight, *, window_strides, pads, input_dilation, kernel_dila
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
 def _unit_stride_columns(x, shape, out_size, kernel, dilation):
     """im2col's columns for windows of stride 1 over ``x`` (of ``shape``): one slice per kernel
-    offset, stacked. Their gradient adds each offset's slice of the incoming gradient in place
+    offset, stacked (:func:`_staged_windows`). Their gradient adds each offset's slice of the incoming gradient in place
     into one buffer, offset after offset (a dynamic-update-slice each), where JAX's transpose
     of the slices pads each back to the input's size and XLA:CPU fuses the sum of the padded
     slices into one kernel testing every term's bounds per element, then recomputes it in each
     consumer unless something stops it: the seed CNN's training step with device iterations
     ran 1.04-1.07x faster this way than with the padded sum passed through
     :func:`_gradient_computed_once` (three A/B runs in one process)."""
-    return jnp.stack(_window_slices(x, 2, out_size, kernel, (1,) * len(kernel), dilation))
+    return _staged_windows(x, 2, out_size, kernel, (1,) * len(kernel), dilation)
 
 
 def _unit_stride_columns_fwd(x, shape, out_size, kernel, dilation):
@@ -164,10 +188,10 @@ def _unit_stride_columns_fwd(x, shape, out_size, kernel, dilation):
 
 def _unit_stride_columns_bwd(shape, out_size, kernel, dilation, _, gradient):
     total = jnp.zeros(shape, gradient.dtype)
-    for index, offset in enumerate(itertools.product(*(range(k) for k in kernel))):
+    for offset in itertools.product(*(range(k) for k in kernel)):
         start = (0, 0) + tuple(o * d for o, d in zip(offset, dilation))
         current = lax.dynamic_slice(total, start, shape[:2] + out_size)
-        total = lax.dynamic_update_slice(total, current + gradient[index], start)
+        total = lax.dynamic_update_slice(total, current + gradient[offset[::-1]], start)
     return (total,)
 
 
