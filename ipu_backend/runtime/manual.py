@@ -66,12 +66,12 @@ from ipu_backend.runtime.step import (
     REPLICA,
     OutputLayout,
     Schedule,
-    _from_replica_zero,
-    _replica_keys,
-    _scan,
     call_outputs,
+    from_replica_zero,
     initial_scaler,
+    loop_scan,
     next_scaler,
+    replica_keys,
     replica_sum,
 )
 from ipu_backend.runtime.weights import release, weight_store
@@ -418,7 +418,7 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
         params, buffers, opt_states, scaler = carry
         inputs, key, hypers = xs                                # inputs: [1, r, m, ...]
         inputs = jax.tree.map(lambda x: x[0], inputs)
-        keys = _replica_keys(key, local)
+        keys = replica_keys(key, local)
         current = dict(params)
         latest = dict.fromkeys(params)
         versions = [{n: params[n] for n in groups[s.optimizer]} for s in steps]
@@ -474,13 +474,13 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
             return (layout.split(result), logs), new_buffers
 
         outputs, new_buffers = jax.vmap(final)(inputs, keys)
-        return (current, _from_replica_zero(new_buffers, local, mesh.size), tuple(opt_states), scaler), \
+        return (current, from_replica_zero(new_buffers, local, mesh.size), tuple(opt_states), scaler), \
             jax.tree.map(lambda y: y[None], outputs)
 
     def device_program(state, inputs, hypers, key):
         keys = jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(schedule.device_iterations))
         carry = (state["params"], state["buffers"], state["opt"], state["scaler"])
-        (params, buffers, opt_states, scaler), ys = _scan(iteration, carry, (inputs, keys, hypers))
+        (params, buffers, opt_states, scaler), ys = loop_scan(iteration, carry, (inputs, keys, hypers))
         arrays, logs = call_outputs(*ys, schedule, totals)
         return {"params": params, "buffers": buffers, "opt": opt_states, "scaler": scaler}, arrays, logs
 

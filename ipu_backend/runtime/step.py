@@ -48,7 +48,7 @@ def split_batch(array, schedule: Schedule):
                          micro, *array.shape[1:])
 
 
-def _scan(body, carry, xs):
+def loop_scan(body, carry, xs):
     """``lax.scan`` with ``body`` lowered for a loop: convolutions traced in it use
     ``conv_algorithm="in_loop"``, which XLA:CPU keeps fast inside a loop. A call's device
     iterations always run in one, a single iteration too: the seed CNN's training step ran
@@ -59,10 +59,10 @@ def _scan(body, carry, xs):
 
 
 def _loop(body, carry, xs, length):
-    """A loop inside a device iteration (gradient accumulation): :func:`_scan` when there is
+    """A loop inside a device iteration (gradient accumulation): :func:`loop_scan` when there is
     more than one step, else one direct call, already inside the device iterations' loop."""
     if length > 1:
-        return _scan(body, carry, xs)
+        return loop_scan(body, carry, xs)
     carry, ys = body(carry, jax.tree.map(lambda x: x[0], xs))
     return carry, jax.tree.map(lambda y: y[None], ys)
 
@@ -136,7 +136,7 @@ def device_loop(iteration, carry, xs, schedule: Schedule, totals: dict):
     the metric totals), instead of stacking every iteration's: on XLA:CPU each stacked output is
     one more write per iteration, and it holds D copies."""
     if schedule.device_iterations == 1 or schedule.output_mode not in ("final", "sum"):
-        carry, ys = _scan(iteration, carry, xs)
+        carry, ys = loop_scan(iteration, carry, xs)
         return carry, call_outputs(*ys, schedule, totals)
     final = schedule.output_mode == "final"
     _, shapes = jax.eval_shape(iteration, carry, jax.tree.map(lambda x: x[0], xs))
@@ -153,7 +153,7 @@ def device_loop(iteration, carry, xs, schedule: Schedule, totals: dict):
         running = {n: _combine(how, running[n], ys[1][n]) for n, how in totals.items()}
         return (inner, kept, running), None
 
-    (carry, kept, running), _ = _scan(body, (carry, kept, running), xs)
+    (carry, kept, running), _ = loop_scan(body, (carry, kept, running), xs)
     if final:
         arrays, logs = jax.tree.map(lambda y: y[None, -1:], kept)
     else:
@@ -203,7 +203,8 @@ def _iteration_keys(key, index, schedule: Schedule):
     return jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(schedule.device_iterations))
 
 
-def _replica_keys(key, local_replicas):
+def replica_keys(key, local_replicas):
+    """The key of each of this device's ``local_replicas`` replicas, from the call's ``key``."""
     first = jax.lax.axis_index(REPLICA) * local_replicas
     return jax.vmap(lambda i: jax.random.fold_in(key, first + i))(jnp.arange(local_replicas))
 
@@ -214,7 +215,7 @@ def replica_sum(tree, devices: int):
     return tree if devices == 1 else jax.lax.psum(tree, REPLICA)
 
 
-def _from_replica_zero(tree, local_replicas, devices: int):
+def from_replica_zero(tree, local_replicas, devices: int):
     """Replica 0's value on every device (PopTorch's broadcastBuffers)."""
     first = jax.tree.map(lambda x: x[0], tree)
     if devices == 1:
@@ -319,10 +320,10 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
         def accumulate(acc, micro):
             grads_sum, buffers = acc
             micro_inputs, index = micro
-            keys = _replica_keys(jax.random.fold_in(key, index), local)
+            keys = replica_keys(jax.random.fold_in(key, index), local)
             grads, (arrays, new_buffers, logs) = replica_step(params, buffers, micro_inputs, keys, loss_scale)
             grads_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype).sum(0), grads_sum, grads)
-            return (grads_sum, _from_replica_zero(new_buffers, local, mesh.size)), (arrays, logs)
+            return (grads_sum, from_replica_zero(new_buffers, local, mesh.size)), (arrays, logs)
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, rule.accum_dtype), params)
         indices = jnp.arange(schedule.accumulation)
@@ -366,8 +367,8 @@ def inference_call(forward: Callable, schedule: Schedule, mesh, layout: OutputLa
         def iteration(buffers, xs):
             micro_inputs, key = xs                       # micro_inputs: [1, r, m, ...]
             arrays, new_buffers = jax.vmap(replica_forward, in_axes=(None, 0, 0))(
-                buffers, jax.tree.map(lambda x: x[0], micro_inputs), _replica_keys(key, local))
-            return _from_replica_zero(new_buffers, local, mesh.size), jax.tree.map(lambda y: y[None], arrays)
+                buffers, jax.tree.map(lambda x: x[0], micro_inputs), replica_keys(key, local))
+            return from_replica_zero(new_buffers, local, mesh.size), jax.tree.map(lambda y: y[None], arrays)
 
         keys = _iteration_keys(key, index, schedule)
         buffers, (arrays, logs) = device_loop(iteration, state["buffers"], (inputs, keys), schedule,
