@@ -76,15 +76,9 @@ def _staged_windows(x, first_axis, out_size, kernel, stride, dilation):
     one process; stacking the first axis first ran the same)."""
     stacked = x
     for stage, axis in enumerate(reversed(range(len(kernel)))):
-        m, k, s, d = out_size[axis], kernel[axis], stride[axis], dilation[axis]
         position = stage + first_axis + axis       # ``stage`` offset axes now lead
-        slices = []
-        for offset in range(k):
-            start, limit, strides = [0] * stacked.ndim, list(stacked.shape), [1] * stacked.ndim
-            start[position], limit[position] = offset * d, offset * d + (m - 1) * s + 1
-            strides[position] = s
-            slices.append(lax.slice(stacked, start, limit, strides))
-        stacked = jnp.stack(slices)
+        stacked = jnp.stack(_window_slices(stacked, position, (out_size[axis],), (kernel[axis],),
+                                           (stride[axis],), (dilation[axis],)))
     return stacked
 
 
@@ -137,9 +131,10 @@ def _conv_im2col(x, weight, *, window_strides, pads, input_dilation, kernel_dila
     """Channel-major im2col: the input as (channels, batch, *spatial), padded (and dilated) once;
     one strided slice per kernel offset, stacked offset-major (:func:`_staged_windows`) into
     columns of shape (offsets · channels, batch · output positions); and the kernel, laid out
-    to match, times the columns: one 2-D matrix product (batched over groups). Each offset's slice is copied whole,
-    the products' long axis is the contiguous one, and the result is (out channels, batch,
-    *spatial), which the spatial-minor ops around it read without a layout copy.
+    to match, times the columns: one 2-D matrix product (batched over groups). Each offset's
+    slice is copied whole, the products' long axis is the contiguous one, and the result is
+    (out channels, batch, *spatial), which the spatial-minor ops around it read without a
+    layout copy.
     Half precision is computed in float32, where its products are exact, so that the input's
     gradient, which sums one term per kernel offset, is rounded once, as torch's is."""
     dtype = accumulation_dtype(x.dtype) or x.dtype
@@ -172,13 +167,13 @@ def _conv_im2col(x, weight, *, window_strides, pads, input_dilation, kernel_dila
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
 def _unit_stride_columns(x, shape, out_size, kernel, dilation):
     """im2col's columns for windows of stride 1 over ``x`` (of ``shape``): one slice per kernel
-    offset, stacked (:func:`_staged_windows`). Their gradient adds each offset's slice of the incoming gradient in place
-    into one buffer, offset after offset (a dynamic-update-slice each), where JAX's transpose
-    of the slices pads each back to the input's size and XLA:CPU fuses the sum of the padded
-    slices into one kernel testing every term's bounds per element, then recomputes it in each
-    consumer unless something stops it: the seed CNN's training step with device iterations
-    ran 1.04-1.07x faster this way than with the padded sum passed through
-    :func:`_gradient_computed_once` (three A/B runs in one process)."""
+    offset, stacked (:func:`_staged_windows`). Their gradient adds each offset's slice of the
+    incoming gradient in place into one buffer, offset after offset (a dynamic-update-slice
+    each), where JAX's transpose of the slices pads each back to the input's size and XLA:CPU
+    fuses the sum of the padded slices into one kernel testing every term's bounds per
+    element, then recomputes it in each consumer unless something stops it: the seed CNN's
+    training step with device iterations ran 1.04-1.07x faster this way than with the padded
+    sum passed through :func:`_gradient_computed_once` (three A/B runs in one process)."""
     return _staged_windows(x, 2, out_size, kernel, (1,) * len(kernel), dilation)
 
 
