@@ -28,6 +28,7 @@ from ipu_backend.runtime.outputs import host_inputs, inputs_to_device, output_to
 from ipu_backend.runtime.stages import has_blocks
 from ipu_backend.runtime.step import OutputLayout, Schedule, inference_call, initial_scaler, master_copy, training_call
 from ipu_backend.runtime.weights import release, weight_store
+from ipu_backend.runtime.xla_compile import compile_lowered
 
 logger = logging.getLogger("ipu_backend")
 
@@ -446,7 +447,7 @@ class PoplarExecutor:
         """Lower and compile ahead of time, once, and say how long capture and compilation took."""
         if compiled.executable is not None:
             return
-        executable = compiled.call.lower(*call_args).compile()
+        executable = compile_lowered(compiled.call.lower(*call_args))
         if not compiled.multi_ipu:
             usage = single_ipu_usage(executable, call_args[0], self._schedule().replicas // self._mesh().size,
                                      optimizer_offloaded=self._offloads_optimizer_state(compiled))

@@ -75,6 +75,7 @@ from ipu_backend.runtime.step import (
     replica_sum,
 )
 from ipu_backend.runtime.weights import release, weight_store
+from ipu_backend.runtime.xla_compile import compile_lowered
 
 logger = logging.getLogger("ipu_backend")
 
@@ -237,7 +238,7 @@ class ManualStepExecutor:
                                 "scaler": self._scaler}, NamedSharding(mesh, P()))
         call_args = (state, inputs, hypers, key)
         if compiled.executable is None:
-            executable = compiled.call.lower(*call_args).compile()
+            executable = compile_lowered(compiled.call.lower(*call_args))
             usage = single_ipu_usage(executable, state, schedule.replicas // mesh.size)
             memory.check(usage, *memory.in_force(self._options))
             compiled.executable = executable

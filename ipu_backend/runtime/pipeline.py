@@ -69,6 +69,7 @@ from ipu_backend.runtime.step import (
     next_scaler,
     optimizer_update,
 )
+from ipu_backend.runtime.xla_compile import compile_lowered
 
 _RECOMPUTE_STAGES = (3, 4)      # PopART RecomputationType.Pipeline and RecomputeAll
 _RECOMPUTE_STANDARD = 1         # RecomputationType.Standard: keep matrix products, recompute the rest
@@ -406,7 +407,7 @@ class _Stage:
                                check_vma=False)
         jitted = jax.jit(mapped, donate_argnums=donate) if out_shardings is None else \
             jax.jit(mapped, donate_argnums=donate, out_shardings=out_shardings)
-        return jitted.lower(*args).compile()
+        return compile_lowered(jitted.lower(*args))
 
     def compile(self, hyper_avals) -> dict:
         """Compile this stage's programs; returns each one's temporaries (bytes)."""
@@ -483,7 +484,7 @@ class _Stage:
                 opt = jax.device_put(opt, jax.memory.Space.Device)
             return mapped(params, opt, *rest)
 
-        return jax.jit(update, donate_argnums=(0, 1, 2), out_shardings=out_shardings).lower(*args).compile()
+        return compile_lowered(jax.jit(update, donate_argnums=(0, 1, 2), out_shardings=out_shardings).lower(*args))
 
     def index(self, i: int) -> jax.Array:
         """Iteration or micro-batch index ``i`` on this stage's devices, transferred once and kept:
@@ -533,7 +534,8 @@ class MultiIpuProgram:
     def lower(self, *args) -> "MultiIpuProgram":
         return self
 
-    def compile(self) -> "MultiIpuProgram":
+    def compile(self, compiler_options=None) -> "MultiIpuProgram":
+        """Itself: its stage programs were compiled, with the runtime's options, when it was built."""
         return self
 
     def __call__(self, state, inputs, *rest):

@@ -53,3 +53,26 @@ def test_outputs_and_metric_totals_follow_the_output_mode(mode):
         assert got.dtype == value.dtype and got.shape == value.shape
         np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(value, np.float64),
                                    rtol=1e-3 if got.dtype == jnp.float16 else 1e-6)
+
+
+def test_final_mode_computes_outputs_of_the_last_iteration_only():
+    """Final mode runs the first D - 1 iterations in a loop that reads none of their outputs, so
+    what computes only outputs (here a host callback that counts its calls) runs once a call,
+    and the outputs returned are the last iteration's."""
+    calls = []
+
+    def counted(x):
+        calls.append(x.copy())
+        return x
+
+    def step(count, x):
+        scaled = x * (count + 1)
+        out = jax.pure_callback(counted, jax.ShapeDtypeStruct(scaled.shape, scaled.dtype), scaled)
+        return count + 1, ([out], {})
+
+    schedule = Schedule(device_iterations=D, accumulation=A, replicas=R, output_mode="final")
+    xs = np.random.default_rng(1).normal(size=(D, A, R, 3)).astype(np.float32)
+    count, (arrays, logs) = jax.jit(lambda xs: device_loop(step, jnp.float32(0), xs, schedule, {}))(xs)
+    assert count == D and logs == {}
+    assert len(calls) == 1
+    np.testing.assert_allclose(np.asarray(arrays[0]), np.moveaxis(xs[-1:, -1:] * D, 2, 0), rtol=1e-6)
