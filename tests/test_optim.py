@@ -394,6 +394,19 @@ def test_state_round_trip(case):
     assert run.traces == 1
 
 
+def test_plain_sgd_keeps_no_state_as_torch():
+    """SGD without momentum holds nothing between steps (torch's ``state`` stays empty), so a
+    compiled call carries no per-parameter arrays for it; with momentum each parameter keeps its
+    step count and buffer."""
+    plain = RuleRun(lambda m: torch.optim.SGD(m.parameters(), lr=0.1)).run(steps=2)
+    assert jax.tree.leaves(plain.state) == []
+    plain.rule.state_to_torch(plain.state, plain.optimizer)
+    assert plain.optimizer.state_dict()["state"] == {}
+    momentum = RuleRun(lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)).run(steps=2)
+    assert all(set(slots) == {"step", "momentum_buffer"} and int(slots["step"]) == 2
+               for slots in momentum.state.values())
+
+
 def test_fresh_state_writes_no_torch_state():
     run = RuleRun(lambda m: torch.optim.Adam(m.parameters()))
     run.rule.state_to_torch(run.state, run.optimizer)

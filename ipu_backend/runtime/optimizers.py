@@ -126,7 +126,7 @@ class OptimizerRule:
         state = {}
         for options, names in zip(self._group_options, self.groups):
             for name in names:
-                slots = {"step": jnp.zeros((), jnp.int32)}
+                slots = {"step": jnp.zeros((), jnp.int32)} if self._counts_steps(options) else {}
                 for slot, (dtype, initial) in self._slots(options).items():
                     slots[slot] = jnp.full(jnp.shape(params[name]), initial, dtype)
                 state[name] = slots
@@ -161,14 +161,15 @@ class OptimizerRule:
         for options, names, group_hyper in zip(self._group_options, self.groups, hyper["groups"]):
             for name in names:
                 slots = state[name]
-                step = slots["step"] + 1
+                step = slots["step"] + 1 if "step" in slots else None
                 moments = {slot: value.astype(jnp.float32) for slot, value in slots.items()
                            if slot != "step"}
                 param, moments = self._step(params[name].astype(jnp.float32), grads[name], moments,
                                             step, group_hyper, options)
                 new_params[name] = param.astype(params[name].dtype)
-                new_state[name] = {"step": step, **{slot: value.astype(slots[slot].dtype)
-                                                    for slot, value in moments.items()}}
+                new_state[name] = {slot: value.astype(slots[slot].dtype) for slot, value in moments.items()}
+                if step is not None:
+                    new_state[name]["step"] = step
         return new_params, new_state
 
     def state_to_torch(self, state: Mapping, optimizer: torch.optim.Optimizer) -> None:
@@ -213,8 +214,13 @@ class OptimizerRule:
         """``slot -> (dtype, initial value)`` of one parameter of a group, in torch's order."""
         raise NotImplementedError
 
+    def _counts_steps(self, options: dict) -> bool:
+        """Whether a group's parameters keep a step count (``_step`` then gets it, else None)."""
+        return True
+
     def _step(self, param, grad, moments, step, hyper, options):
-        """float32 ``(new_param, new_moments)``; ``step`` counts this update from 1."""
+        """float32 ``(new_param, new_moments)``; ``step`` counts this update from 1 (None where
+        :meth:`_counts_steps` says the group keeps no count)."""
         raise NotImplementedError
 
     def _to_torch(self, slots: dict, group: dict, options: dict) -> dict:
@@ -355,6 +361,11 @@ class _SGDRule(OptimizerRule):
         if not options["momentum"]:
             return {}
         return {"momentum_buffer": (self._options["velocity_accum_type"], 0.0)}
+
+    def _counts_steps(self, options):
+        """Only momentum needs the count (its first step); plain SGD keeps no state, as torch's:
+        a call then carries no per-parameter counters in or out."""
+        return options["momentum"]
 
     def _step(self, param, grad, moments, step, hyper, options):
         if options["maximize"]:
