@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 import torch.utils._pytree as torch_pytree
 from jax.sharding import PartitionSpec as P
@@ -129,16 +130,27 @@ def _combine(how: str, running, step):
     return (jnp.maximum if how == "max" else jnp.minimum)(running, _REDUCE[how](step, axis=0, keepdims=True))
 
 
+PEEL_MAX_EQUATIONS = 300
+"""Final mode peels the last device iteration off the loop (:func:`_final_iteration_outputs`)
+when a step has at most this many JAX equations. A step that small spends its time mostly on
+per-kernel overhead, of which the kernels computing only outputs are a visible share (the MLP
+bench's step: 161 equations, 5 of its 27 kernels, 2.2 % of its device time), and compiling it
+twice costs little. A bigger step gains nothing measurable (seed CNN, 598 equations: 1.00x)
+and compiles a second copy of itself (seed CNN: +11 % compile time; a 4-layer transformer
+encoder, 2,342 equations: +30-55 %)."""
+
+
 def device_loop(iteration, carry, xs, schedule: Schedule, totals: dict):
     """The call's device iterations, ``iteration(carry, xs) -> (carry, (arrays, logs))`` with
     outputs ``[A, r, ...]``, and its outputs as :func:`call_outputs` gives them. In Final and Sum
-    modes the loop keeps only what the call returns instead of stacking every iteration's
-    outputs: on XLA:CPU each stacked output is one more write per iteration, and it holds D
-    copies."""
+    modes the loop keeps only what the call returns (the last outputs, or their running sum, and
+    the metric totals) instead of stacking every iteration's: on XLA:CPU each stacked output is
+    one more write per iteration, and it holds D copies."""
     if schedule.device_iterations == 1 or schedule.output_mode not in ("final", "sum"):
         carry, ys = loop_scan(iteration, carry, xs)
         return carry, call_outputs(*ys, schedule, totals)
-    _, shapes = jax.eval_shape(iteration, carry, jax.tree.map(lambda x: x[0], xs))
+    final = schedule.output_mode == "final"
+    step, (_, shapes) = jax.make_jaxpr(iteration, return_shape=True)(carry, jax.tree.map(lambda x: x[0], xs))
     running, total_dtypes = _unzip({n: _running_start(how, shapes[1][n]) for n, how in totals.items()}, totals)
 
     def with_totals(loop_carry, x):
@@ -147,29 +159,52 @@ def device_loop(iteration, carry, xs, schedule: Schedule, totals: dict):
         inner, ys = iteration(inner, x)
         return (inner, {n: _combine(how, running[n], ys[1][n]) for n, how in totals.items()}), ys
 
-    if schedule.output_mode == "final":
+    if final and _equation_count(step.jaxpr) <= PEEL_MAX_EQUATIONS:
         (carry, running), (arrays, logs) = _final_iteration_outputs(with_totals, (carry, running), xs,
                                                                     schedule.device_iterations)
     else:
-        kept, kept_dtypes = _unzip(jax.tree.map(lambda a: _running_start("sum", a), shapes), shapes)
+        if final:
+            kept = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+        else:
+            kept, kept_dtypes = _unzip(jax.tree.map(lambda a: _running_start("sum", a), shapes), shapes)
 
-        def summed(loop_carry, x):
+        def keeping(loop_carry, x):
             inner, kept = loop_carry
             inner, ys = with_totals(inner, x)
-            return (inner, jax.tree.map(lambda k, y: _combine("sum", k, y), kept, ys)), None
+            return (inner, ys if final else jax.tree.map(lambda k, y: _combine("sum", k, y), kept, ys)), None
 
-        ((carry, running), kept), _ = loop_scan(summed, ((carry, running), kept), xs)
-        arrays, logs = jax.tree.map(lambda y, d: y[None].astype(d), kept, kept_dtypes)
+        ((carry, running), kept), _ = loop_scan(keeping, ((carry, running), kept), xs)
+        if final:
+            arrays, logs = jax.tree.map(lambda y: y[None, -1:], kept)
+        else:
+            arrays, logs = jax.tree.map(lambda y, d: y[None].astype(d), kept, kept_dtypes)
     reduced = {n + TOTAL_SUFFIX: running[n][None].astype(total_dtypes[n]) for n in totals}
     return carry, jax.tree.map(lambda y: jnp.moveaxis(y, 2, 0), (arrays, {**logs, **reduced}))
 
 
+def _equation_count(jaxpr) -> int:
+    """The equations of ``jaxpr``, those of the jaxprs inside it (loops, custom gradients...)
+    included."""
+    return sum(1 + sum(_equation_count(inner) for value in eqn.params.values() for inner in _jaxprs(value))
+               for eqn in jaxpr.eqns)
+
+
+def _jaxprs(value):
+    """The jaxprs an equation's parameter holds."""
+    if isinstance(value, jex.core.ClosedJaxpr):
+        return [value.jaxpr]
+    if isinstance(value, jex.core.Jaxpr):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [inner for item in value for inner in _jaxprs(item)]
+    return []
+
+
 def _final_iteration_outputs(iteration, carry, xs, length: int):
-    """Final mode: the first ``length - 1`` iterations in a loop that reads none of their outputs
-    (XLA drops what computes only them: the MLP bench's step lost 5 of its 27 kernels, 2.2 % of
-    its device time), then the last iteration in a loop of one, which returns its outputs
-    ``[1, 1, r, ...]``. The first loop indexes the inputs itself: a slice of all but the last
-    iteration's would be a copy of them."""
+    """Final mode for a small step: the first ``length - 1`` iterations in a loop that reads none
+    of their outputs, so XLA drops what computes only them, then the last iteration in a loop of
+    one, which returns its outputs ``[1, 1, r, ...]``. The first loop indexes the inputs itself:
+    a slice of all but the last iteration's would be a copy of them."""
     def without_outputs(loop_carry, d):
         x = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, d, keepdims=False), xs)
         return iteration(loop_carry, x)[0], None

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX
+from ipu_backend.runtime import step as step_module
 from ipu_backend.runtime.step import Schedule, device_loop
 
 D, A, R = 6, 2, 1
@@ -41,8 +42,11 @@ def expected(xs, mode):
     return jax.tree.map(lambda y: np.moveaxis(y, 2, 0), (arrays, {**logs, **totals}))
 
 
-@pytest.mark.parametrize("mode", ["all", "final", "sum", "every_n"])
-def test_outputs_and_metric_totals_follow_the_output_mode(mode):
+@pytest.mark.parametrize("mode", ["all", "final", "sum", "every_n", "final_unpeeled"])
+def test_outputs_and_metric_totals_follow_the_output_mode(mode, monkeypatch):
+    if mode == "final_unpeeled":       # a step too big to peel the last iteration off the loop
+        monkeypatch.setattr(step_module, "PEEL_MAX_EQUATIONS", 0)
+        mode = "final"
     schedule = Schedule(device_iterations=D, accumulation=A, replicas=R, output_mode=mode, output_period=3)
     xs = np.random.default_rng(0).normal(size=(D, A, R, 3)).astype(np.float32)
     count, outputs = jax.jit(lambda xs: device_loop(iteration, jnp.float32(0), xs, schedule, TOTALS))(xs)
@@ -55,10 +59,14 @@ def test_outputs_and_metric_totals_follow_the_output_mode(mode):
                                    rtol=1e-3 if got.dtype == jnp.float16 else 1e-6)
 
 
-def test_final_mode_computes_outputs_of_the_last_iteration_only():
-    """Final mode runs the first D - 1 iterations in a loop that reads none of their outputs, so
-    what computes only outputs (here a host callback that counts its calls) runs once a call,
-    and the outputs returned are the last iteration's."""
+@pytest.mark.parametrize("peeled", [True, False])
+def test_final_mode_of_a_small_step_computes_outputs_of_the_last_iteration_only(peeled, monkeypatch):
+    """Final mode runs the first D - 1 iterations of a small step in a loop that reads none of
+    their outputs, so what computes only outputs (here a host callback that counts its calls)
+    runs once a call; a step above ``PEEL_MAX_EQUATIONS`` computes them in every iteration. The
+    outputs returned are the last iteration's either way."""
+    if not peeled:
+        monkeypatch.setattr(step_module, "PEEL_MAX_EQUATIONS", 0)
     calls = []
 
     def counted(x):
@@ -74,5 +82,18 @@ def test_final_mode_computes_outputs_of_the_last_iteration_only():
     xs = np.random.default_rng(1).normal(size=(D, A, R, 3)).astype(np.float32)
     count, (arrays, logs) = jax.jit(lambda xs: device_loop(step, jnp.float32(0), xs, schedule, {}))(xs)
     assert count == D and logs == {}
-    assert len(calls) == 1
+    assert len(calls) == (1 if peeled else D)
     np.testing.assert_allclose(np.asarray(arrays[0]), np.moveaxis(xs[-1:, -1:] * D, 2, 0), rtol=1e-6)
+
+
+def test_equation_count_includes_the_jaxprs_inside_equations():
+    def inner(c, x):
+        return c + jnp.sin(x) * 2, None
+
+    def nested(xs):
+        return jax.lax.scan(inner, 0.0, xs)[0] + 1
+
+    jaxpr = jax.make_jaxpr(nested)(np.zeros(3, np.float32)).jaxpr
+    body = jaxpr.eqns[0].params["jaxpr"].jaxpr            # the scan's
+    assert len(jaxpr.eqns) == 2 and len(body.eqns) >= 3
+    assert step_module._equation_count(jaxpr) == len(jaxpr.eqns) + len(body.eqns)
