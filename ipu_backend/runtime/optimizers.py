@@ -126,10 +126,11 @@ class OptimizerRule:
         state = {}
         for options, names in zip(self._group_options, self.groups):
             for name in names:
-                slots = {"step": jnp.zeros((), jnp.int32)} if self._counts_steps(options) else {}
-                for slot, (dtype, initial) in self._slots(options).items():
-                    slots[slot] = jnp.full(jnp.shape(params[name]), initial, dtype)
-                state[name] = slots
+                moments = {slot: jnp.full(jnp.shape(params[name]), initial, dtype)
+                           for slot, (dtype, initial) in self._slots(options).items()}
+                # A parameter that keeps no moments keeps no step count either (plain SGD, whose
+                # torch state stays empty): a call then carries nothing in or out for it.
+                state[name] = {"step": jnp.zeros((), jnp.int32), **moments} if moments else {}
         return state
 
     def hyperparameters(self, optimizer: torch.optim.Optimizer) -> dict:
@@ -214,13 +215,9 @@ class OptimizerRule:
         """``slot -> (dtype, initial value)`` of one parameter of a group, in torch's order."""
         raise NotImplementedError
 
-    def _counts_steps(self, options: dict) -> bool:
-        """Whether a group's parameters keep a step count (``_step`` then gets it, else None)."""
-        return True
-
     def _step(self, param, grad, moments, step, hyper, options):
-        """float32 ``(new_param, new_moments)``; ``step`` counts this update from 1 (None where
-        :meth:`_counts_steps` says the group keeps no count)."""
+        """float32 ``(new_param, new_moments)``; ``step`` counts this update from 1 (None for a
+        parameter that keeps no moments, see :meth:`init`)."""
         raise NotImplementedError
 
     def _to_torch(self, slots: dict, group: dict, options: dict) -> dict:
@@ -361,11 +358,6 @@ class _SGDRule(OptimizerRule):
         if not options["momentum"]:
             return {}
         return {"momentum_buffer": (self._options["velocity_accum_type"], 0.0)}
-
-    def _counts_steps(self, options):
-        """Only momentum needs the count (its first step); plain SGD keeps no state, as torch's:
-        a call then carries no per-parameter counters in or out."""
-        return options["momentum"]
 
     def _step(self, param, grad, moments, step, hyper, options):
         if options["maximize"]:
