@@ -69,6 +69,7 @@ from ipu_backend.runtime.step import (
     call_outputs,
     from_replica_zero,
     initial_scaler,
+    iteration_keys,
     loop_scan,
     next_scaler,
     replica_keys,
@@ -479,7 +480,7 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
             jax.tree.map(lambda y: y[None], outputs)
 
     def device_program(state, inputs, hypers, key):
-        keys = jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(schedule.device_iterations))
+        keys = iteration_keys(key, schedule.device_iterations)
         carry = (state["params"], state["buffers"], state["opt"], state["scaler"])
         (params, buffers, opt_states, scaler), ys = loop_scan(iteration, carry, (inputs, keys, hypers))
         arrays, logs = call_outputs(*ys, schedule, totals)

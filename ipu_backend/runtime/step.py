@@ -249,10 +249,9 @@ def call_key(key, index):
     return jax.random.fold_in(key, index)
 
 
-def _iteration_keys(key, index, schedule: Schedule):
-    """The key of each device iteration of the call ``index``."""
-    key = call_key(key, index)
-    return jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(schedule.device_iterations))
+def iteration_keys(key, iterations: int):
+    """The key of each of a call's ``iterations`` device iterations, from the call's ``key``."""
+    return jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(iterations))
 
 
 def replica_keys(key, local_replicas):
@@ -389,7 +388,7 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
         return (new_params, buffers, new_opt_state, scaler, hyper), ys
 
     def device_program(state, inputs, hyper, key, index):
-        keys = _iteration_keys(key, index, schedule)
+        keys = iteration_keys(call_key(key, index), schedule.device_iterations)
         carry = (state["params"], state["buffers"], state["opt"], state["scaler"], hyper)
         (params, buffers, opt_state, scaler, _), (arrays, logs) = device_loop(
             iteration, carry, (inputs, keys), schedule, totals or {})
@@ -422,7 +421,7 @@ def inference_call(forward: Callable, schedule: Schedule, mesh, layout: OutputLa
                 buffers, jax.tree.map(lambda x: x[0], micro_inputs), replica_keys(key, local))
             return from_replica_zero(new_buffers, local, mesh.size), jax.tree.map(lambda y: y[None], arrays)
 
-        keys = _iteration_keys(key, index, schedule)
+        keys = iteration_keys(call_key(key, index), schedule.device_iterations)
         buffers, (arrays, logs) = device_loop(iteration, state["buffers"], (inputs, keys), schedule,
                                               totals or {})
         return {"params": params, "buffers": buffers}, arrays, logs
