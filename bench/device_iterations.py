@@ -54,13 +54,18 @@ class MLP(nn.Module):
 
 def timed_rounds(epochs: dict) -> dict:
     """Seconds of each epoch function per round: after a warm-up (compilation), ROUNDS rounds,
-    the functions taking turns in an order that rotates each round."""
+    the functions taking turns in an order that rotates each round. Each timed epoch follows an
+    untimed epoch of the same function, so that no path pays for the state another left behind:
+    torch's OpenMP workers spin for milliseconds after its loop ends, competing for the cores
+    with whatever runs next (the MLP executor's first call took 7.2 ms after a torch eager epoch
+    and 2.7 ms after one of its own)."""
     for epoch in epochs.values():
         epoch()
     times = {name: [] for name in epochs}
     order = list(epochs)
     for _ in range(ROUNDS):
         for name in order:
+            epochs[name]()
             start = time.perf_counter()
             epochs[name]()
             times[name].append(time.perf_counter() - start)
