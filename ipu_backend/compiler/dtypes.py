@@ -52,4 +52,4 @@ def to_torch(array, dtype: torch.dtype | None = None) -> torch.Tensor:
         tensor = torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16)
     else:
         tensor = torch.from_numpy(np.array(host, copy=True))
-    return tensor if dtype is None else tensor.to(dtype)
+    return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
