@@ -39,6 +39,7 @@ from ipu_backend.options import (
     _int_at_least,
     parse_member,
 )
+from ipu_backend.runtime import host_idle
 
 _ASYNC_OPTIONS = ("buffer_size", "miss_sleep_time_in_ms", "load_indefinitely", "early_preload",
                   "sharing_strategy")
@@ -55,7 +56,8 @@ class DataLoader(torch.utils.data.DataLoader):
     A ``batch_sampler`` gives micro-batches: consecutive ones are concatenated into combined
     batches (``batch_size`` and ``shuffle`` must then keep their defaults).
 
-    ``mode``: ``DataLoaderMode.Sync`` fetches on the calling thread; ``Async`` and
+    ``mode``: ``DataLoaderMode.Sync`` fetches on the calling thread (a TensorDataset's next
+    combined batch while the devices compute the current one, in the model call); ``Async`` and
     ``AsyncRebatched`` fetch on a background thread, ``async_options["buffer_size"]`` (default
     3) combined batches ahead, yielding exactly what ``Sync`` yields. For an ``IterableDataset``,
     ``AsyncRebatched`` has torch load batches of ``rebatched_worker_size`` samples (default: the
@@ -159,9 +161,9 @@ class DataLoader(torch.utils.data.DataLoader):
     def __iter__(self) -> Iterator[Any]:
         if self.persistent_workers and self.num_workers > 0:
             self.terminate()  # torch restarts its one iterator, which a prefetcher may be reading
-        batches = self._sync_batches()
         if self._mode is DataLoaderMode.Sync:
-            return batches
+            return self._sync_batches(ahead=True)
+        batches = self._sync_batches()
         prefetcher = _PrefetchIterator(batches, self._buffer_size)
         self._prefetchers.add(prefetcher)
         return prefetcher
@@ -171,7 +173,9 @@ class DataLoader(torch.utils.data.DataLoader):
         for prefetcher in list(self._prefetchers):
             prefetcher.close()
 
-    def _sync_batches(self) -> Iterator[Any]:
+    def _sync_batches(self, ahead: bool = False) -> Iterator[Any]:
+        """The combined batches, fetched by the thread that iterates them; with ``ahead``, a
+        TensorDataset's are fetched one ahead, while the devices compute (:class:`_FetchAhead`)."""
         if self._rebatch_size is not None:
             return _rebatch(super().__iter__(), self._rebatch_size, self._rebatch_drop_last)
         source = self._tensor_source()
@@ -180,7 +184,8 @@ class DataLoader(torch.utils.data.DataLoader):
         # torch's iterators first draw their workers' base seed from the loader's generator; so
         # does this one, for the sampler to shuffle exactly as it does on torch's path.
         torch.empty((), dtype=torch.int64).random_(generator=self.generator)
-        return _gather_batches(*source, self.batch_sampler)
+        batches = _gather_batches(*source, self.batch_sampler)
+        return _FetchAhead(batches) if ahead else batches
 
     def _tensor_source(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None] | None:
         """The tensors of the TensorDataset behind ``self.dataset`` and the positions in them of
@@ -393,6 +398,49 @@ def _stop_producer(out: queue.Queue, stop: threading.Event) -> None:
             out.get_nowait()
         except queue.Empty:
             return
+
+
+class _FetchAhead:
+    """Yields ``batches``; handing one out queues the fetch of the next to run while the devices
+    compute (:mod:`ipu_backend.runtime.host_idle`), where a training loop's thread would
+    otherwise wait, so that its next ``next()`` finds the batch ready. Only for batches gathered
+    from a TensorDataset: fetching them runs no user code, so fetching early changes nothing but
+    when the copy is made (as torch's worker processes fetch ahead too)."""
+
+    def __init__(self, batches: Iterator[Any]) -> None:
+        self._batches = batches
+        self._fetched: tuple[str, Any] | None = None
+        self._lock = threading.Lock()     # the queued fetch runs on whichever thread calls a model
+
+    def __iter__(self) -> "_FetchAhead":
+        return self
+
+    def __next__(self) -> Any:
+        with self._lock:
+            self._fetch_locked()
+            kind, payload = self._fetched
+            if kind != _END:
+                self._fetched = None
+        if kind == _ERROR:
+            raise payload
+        if kind == _END:
+            raise StopIteration
+        host_idle.run_while_computing(self._fetch)
+        return payload
+
+    def _fetch(self) -> None:
+        with self._lock:
+            self._fetch_locked()
+
+    def _fetch_locked(self) -> None:
+        if self._fetched is not None:
+            return
+        try:
+            self._fetched = (_BATCH, next(self._batches))
+        except StopIteration:
+            self._fetched = (_END, None)
+        except Exception as error:  # re-raised by __next__, in the user's loop
+            self._fetched = (_ERROR, error)
 
 
 class _PrefetchIterator:

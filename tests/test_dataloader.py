@@ -1,7 +1,9 @@
 """ipu_backend.data.DataLoader: combined batches, remainders, batch samplers, asynchronous
-prefetching, deterministic shuffling, the gathered fast path, argument checks."""
+prefetching, fetching ahead while the model runs, deterministic shuffling, the gathered fast
+path, argument checks."""
 
 import gc
+import threading
 import warnings
 
 import pytest
@@ -15,10 +17,11 @@ from torch.utils.data import (
     TensorDataset,
 )
 
-from ipu_backend import Error
+from ipu_backend import Error, data, inferenceModel
 from ipu_backend.data import DataLoader
 from ipu_backend.enums import DataLoaderMode
 from ipu_backend.options import FrozenOptionsError, InvalidArgument, Options, WrongArgumentType
+from ipu_backend.runtime import host_idle
 
 
 def _samples(n):
@@ -200,6 +203,74 @@ def test_async_raises_the_datasets_error_in_the_loop():
     with pytest.raises(KeyError, match="sample 5 is missing"):
         next(iterator)
     assert not iterator._thread.is_alive()
+
+
+class _SumModel(torch.nn.Module):
+    def forward(self, x, y):
+        return x.sum(dim=(1, 2)) + y
+
+
+def _recording_fetches(monkeypatch, events):
+    """Log each tensor the gathered fast path copies, with the thread that copies it."""
+    gather = data._rows
+
+    def rows(tensor, positions):
+        events.append(("fetch", threading.current_thread()))
+        return gather(tensor, positions)
+    monkeypatch.setattr(data, "_rows", rows)
+
+
+def test_sync_fetches_the_next_tensor_batch_while_the_model_runs(monkeypatch):
+    events = []
+    _recording_fetches(monkeypatch, events)
+    opts = Options().deviceIterations(2)
+    model = inferenceModel(_SumModel(), opts)
+    dataset = _samples(12)
+    outputs = []
+    for x, y in DataLoader(opts, dataset, batch_size=2):  # 3 combined batches of 4
+        events.append(("call", None))
+        outputs.append(model(x, y))
+        events.append(("returned", None))
+    fetch = ("fetch", threading.current_thread())  # one per dataset tensor, on the loop's thread
+    assert events == [fetch, fetch,
+                      ("call", None), fetch, fetch, ("returned", None),
+                      ("call", None), fetch, fetch, ("returned", None),
+                      ("call", None), ("returned", None)]
+    x, y = dataset.tensors
+    torch.testing.assert_close(torch.cat(outputs), x.sum(dim=(1, 2)) + y)
+
+
+def test_sync_fetch_ahead_raises_the_datasets_error_at_next_not_in_the_model_call():
+    opts = Options()
+    loader = DataLoader(opts, Subset(_samples(8), [0, 1, 2, 3, 100, 5, 6, 7]), batch_size=4)
+    model = inferenceModel(_SumModel(), opts)
+    iterator = iter(loader)
+    x, y = next(iterator)
+    torch.testing.assert_close(model(x, y), torch.tensor([0.0, 7.0, 14.0, 21.0]))
+    with pytest.raises(IndexError):
+        next(iterator)
+
+
+def test_an_abandoned_iterators_queued_fetch_is_dropped(monkeypatch):
+    events = []
+    _recording_fetches(monkeypatch, events)
+    iterator = iter(DataLoader(Options(), _samples(8), batch_size=2))
+    next(iterator)
+    fetched = len(events)
+    del iterator
+    gc.collect()
+    host_idle.run_queued()
+    assert len(events) == fetched
+
+
+def test_async_mode_fetches_only_on_its_own_thread(monkeypatch):
+    events = []
+    _recording_fetches(monkeypatch, events)
+    iterator = iter(DataLoader(Options(), _samples(8), batch_size=2, mode=DataLoaderMode.Async))
+    for _ in iterator:
+        host_idle.run_queued()
+    assert len(events) == 8
+    assert all(thread is not threading.main_thread() for _, thread in events)
 
 
 def test_shuffle_is_deterministic_given_the_random_seed():

@@ -21,7 +21,7 @@ from ipu_backend.enums import OutputMode, ReductionType
 from ipu_backend.errors import Error
 from ipu_backend.profiling import NullRecorder, recorder_for
 from ipu_backend.profiling.memory_usage import single_ipu_usage
-from ipu_backend.runtime import compilation_cache, memory
+from ipu_backend.runtime import compilation_cache, host_idle, memory
 from ipu_backend.runtime.devices import replica_mesh
 from ipu_backend.runtime.optimizers import optimizer_rule
 from ipu_backend.runtime.outputs import host_inputs, inputs_to_device, output_to_host
@@ -239,6 +239,7 @@ class PoplarExecutor:
             host_memory = NamedSharding(self._mesh(), P(), memory_kind="pinned_host")
             self._opt_state = jax.device_put(self._opt_state, host_memory)
         self.last_program = compiled.program
+        host_idle.run_queued()
         self.last_logs = {name: output_to_host(value, compiled.log_dtypes[name]) for name, value in logs.items()}
         outputs = [output_to_host(a, d) for a, d in zip(arrays, compiled.output_dtypes)]
         self._profiler.finished(self, compiled, call_args)

@@ -57,7 +57,7 @@ from ipu_backend.enums import OutputMode
 from ipu_backend.errors import Error
 from ipu_backend.profiling import recorder_for
 from ipu_backend.profiling.memory_usage import single_ipu_usage
-from ipu_backend.runtime import compilation_cache, memory
+from ipu_backend.runtime import compilation_cache, host_idle, memory
 from ipu_backend.runtime.clipping import GradientClipping
 from ipu_backend.runtime.devices import replica_mesh
 from ipu_backend.runtime.optimizers import optimizer_rule
@@ -251,6 +251,7 @@ class ManualStepExecutor:
         self._opt_states, self._scaler = state["opt"], state["scaler"]
         self._store.update(state["params"], state["buffers"])
         self.last_program, self.last_events = compiled.program, compiled.events
+        host_idle.run_queued()
         self.last_logs = {name: output_to_host(v, compiled.log_dtypes[name]) for name, v in logs.items()}
         outputs = compiled.layout.join([output_to_host(a, d) for a, d in zip(arrays, compiled.output_dtypes)])
         self._profiler.finished(self, compiled, call_args)
