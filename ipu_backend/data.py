@@ -425,10 +425,11 @@ class _FetchAhead:
             raise payload
         if kind == _END:
             raise StopIteration
-        host_idle.run_while_computing(self._fetch)
+        host_idle.queue(self)
         return payload
 
-    def _fetch(self) -> None:
+    def run_idle(self) -> None:
+        """Fetch the next batch now (the devices are computing)."""
         with self._lock:
             self._fetch_locked()
 

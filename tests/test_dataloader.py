@@ -251,14 +251,17 @@ def test_sync_fetch_ahead_raises_the_datasets_error_at_next_not_in_the_model_cal
         next(iterator)
 
 
-def test_an_abandoned_iterators_queued_fetch_is_dropped(monkeypatch):
+def test_queued_fetches_neither_pile_up_nor_outlive_their_iterator(monkeypatch):
     events = []
     _recording_fetches(monkeypatch, events)
     iterator = iter(DataLoader(Options(), _samples(8), batch_size=2))
-    next(iterator)
+    for _ in range(3):      # no model call in between: each next() fetches for itself
+        next(iterator)
+    assert len(host_idle._QUEUED) == 1
     fetched = len(events)
     del iterator
     gc.collect()
+    assert len(host_idle._QUEUED) == 0
     host_idle.run_queued()
     assert len(events) == fetched
 

@@ -7,21 +7,20 @@ queued here runs in the wait instead: the executor runs the queue once its progr
 
 import weakref
 
-_QUEUED: list[weakref.WeakMethod] = []
+_QUEUED: "weakref.WeakSet" = weakref.WeakSet()
 
 
-def run_while_computing(method) -> None:
-    """Queue the bound ``method`` for the next call's device time. It is held weakly: work queued
-    by an iterator the user abandoned is dropped with it."""
-    _QUEUED.append(weakref.WeakMethod(method))
+def queue(work) -> None:
+    """Have ``work.run_idle()`` called in the next call's device time. Queued once however often
+    it is queued, and held weakly: work for an iterator the user abandoned goes with it."""
+    _QUEUED.add(work)
 
 
 def run_queued() -> None:
-    """Run the queued work, oldest first (called by executors after launching a program)."""
+    """Run the queued work (executors call this once their program is launched)."""
     while True:
         try:
-            method = _QUEUED.pop(0)()
-        except IndexError:      # another thread's call ran the last of it
+            work = _QUEUED.pop()
+        except KeyError:        # empty, or another thread's call ran the last of it
             return
-        if method is not None:
-            method()
+        work.run_idle()
