@@ -184,8 +184,11 @@ class DataLoader(torch.utils.data.DataLoader):
         # torch's iterators first draw their workers' base seed from the loader's generator; so
         # does this one, for the sampler to shuffle exactly as it does on torch's path.
         torch.empty((), dtype=torch.int64).random_(generator=self.generator)
-        batches = _gather_batches(*source, self.batch_sampler)
-        return _FetchAhead(batches) if ahead else batches
+        tensors, positions = source
+        selections = _row_selections(positions, self.batch_sampler)
+        if ahead:
+            return _FetchAhead(tensors, selections)
+        return (_gather(tensors, rows) for rows in selections)
 
     def _tensor_source(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None] | None:
         """The tensors of the TensorDataset behind ``self.dataset`` and the positions in them of
@@ -296,21 +299,25 @@ def _sequential_ranges(batch_sampler: Any) -> Iterator[slice] | None:
     return (slice(start, min(start + size, stop)) for start in range(0, stop, size))
 
 
-def _gather_batches(tensors: tuple[torch.Tensor, ...], positions: torch.Tensor | None,
-                    batch_sampler: Iterable[Sequence[int]]) -> Iterator[list[torch.Tensor]]:
-    """What torch's default collation of the samples would give (a list with one stacked tensor
-    per dataset tensor), by one indexing per tensor."""
+def _row_selections(positions: torch.Tensor | None,
+                    batch_sampler: Iterable[Sequence[int]]) -> Iterator[slice | np.ndarray]:
+    """The rows of the dataset's tensors that each combined batch gathers (``positions``: where
+    the dataset's samples are in them, None for all in order)."""
     positions = None if positions is None else positions.numpy()
     ranges = _sequential_ranges(batch_sampler)
     if ranges is not None:
         for rows in ranges:
-            yield [_rows(tensor, rows if positions is None else positions[rows]) for tensor in tensors]
+            yield rows if positions is None else positions[rows]
         return
     for indices in batch_sampler:
         rows = np.asarray(indices, dtype=np.int64)
-        if positions is not None:
-            rows = positions[rows]
-        yield [_rows(tensor, rows) for tensor in tensors]
+        yield rows if positions is None else positions[rows]
+
+
+def _gather(tensors: tuple[torch.Tensor, ...], rows: slice | np.ndarray) -> list[torch.Tensor]:
+    """What torch's default collation of the samples at ``rows`` gives (a list with one stacked
+    tensor per dataset tensor), by one indexing per tensor."""
+    return [_rows(tensor, rows) for tensor in tensors]
 
 
 def _unsupported_batch(batch: Any) -> WrongArgumentType:
@@ -401,14 +408,16 @@ def _stop_producer(out: queue.Queue, stop: threading.Event) -> None:
 
 
 class _FetchAhead:
-    """Yields ``batches``; handing one out queues the fetch of the next to run while the devices
-    compute (:mod:`ipu_backend.runtime.host_idle`), where a training loop's thread would
-    otherwise wait, so that its next ``next()`` finds the batch ready. Only for batches gathered
-    from a TensorDataset: fetching them runs no user code, so fetching early changes nothing but
-    when the copy is made (as torch's worker processes fetch ahead too)."""
+    """Yields the batches of a TensorDataset's ``tensors`` at each of ``selections``; handing one
+    out queues the fetch of the next to run while the devices compute
+    (:mod:`ipu_backend.runtime.host_idle`), where a training loop's thread would otherwise wait,
+    so that its next ``next()`` finds the batch ready. Fetching runs no user code, and a batch
+    whose tensors were changed in place since its fetch (their version counters moved) is
+    fetched again, so the batches are those a fetch on demand gives."""
 
-    def __init__(self, batches: Iterator[Any]) -> None:
-        self._batches = batches
+    def __init__(self, tensors: tuple[torch.Tensor, ...], selections: Iterator[slice | np.ndarray]):
+        self._tensors = tensors
+        self._selections = selections
         self._fetched: tuple[str, Any] | None = None
         self._lock = threading.Lock()     # the queued fetch runs on whichever thread calls a model
 
@@ -425,8 +434,11 @@ class _FetchAhead:
             raise payload
         if kind == _END:
             raise StopIteration
+        rows, versions, batch = payload
+        if versions != self._versions():
+            batch = _gather(self._tensors, rows)
         host_idle.queue(self)
-        return payload
+        return batch
 
     def run_idle(self) -> None:
         """Fetch the next batch now (the devices are computing)."""
@@ -437,11 +449,15 @@ class _FetchAhead:
         if self._fetched is not None:
             return
         try:
-            self._fetched = (_BATCH, next(self._batches))
+            rows = next(self._selections)
+            self._fetched = (_BATCH, (rows, self._versions(), _gather(self._tensors, rows)))
         except StopIteration:
             self._fetched = (_END, None)
         except Exception as error:  # re-raised by __next__, in the user's loop
             self._fetched = (_ERROR, error)
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(tensor._version for tensor in self._tensors)
 
 
 class _PrefetchIterator:

@@ -211,7 +211,9 @@ class _SumModel(torch.nn.Module):
 
 
 def _recording_fetches(monkeypatch, events):
-    """Log each tensor the gathered fast path copies, with the thread that copies it."""
+    """Log each tensor the gathered fast path copies, with the thread that copies it (from now
+    on: work another test left queued runs first, unlogged)."""
+    host_idle.run_queued()
     gather = data._rows
 
     def rows(tensor, positions):
@@ -249,6 +251,19 @@ def test_sync_fetch_ahead_raises_the_datasets_error_at_next_not_in_the_model_cal
     torch.testing.assert_close(model(x, y), torch.tensor([0.0, 7.0, 14.0, 21.0]))
     with pytest.raises(IndexError):
         next(iterator)
+
+
+def test_sync_fetch_ahead_sees_the_dataset_changed_in_place_after_the_fetch():
+    opts = Options()
+    dataset = _samples(8)
+    model = inferenceModel(_SumModel(), opts)
+    iterator = iter(DataLoader(opts, dataset, batch_size=4))
+    x, y = next(iterator)
+    model(x, y)                      # fetches the second batch
+    dataset.tensors[0].mul_(10)
+    x, y = next(iterator)
+    torch.testing.assert_close(x, torch.arange(40.0, 80.0, 10.0)[:, None, None].expand(4, 2, 3))
+    torch.testing.assert_close(y, torch.arange(4, 8))
 
 
 def test_queued_fetches_neither_pile_up_nor_outlive_their_iterator(monkeypatch):
