@@ -11,8 +11,9 @@
 Targets: MLP ≥ 10× torch eager and ≥ 0.5× hand-written JAX; seed CNN ≥ 1.2× torch eager (with
 deviceIterations=10).
 Each path's epochs are timed in alternation, ROUNDS times (the order rotating each round, each
-timed epoch right after an untimed one of the same path), and the fastest of each kept; the median over rounds of the same-round ratio is reported too, with the
-share of CPU time stolen by the hypervisor during the run (bench/cpu_steal.py).
+timed epoch right after an untimed one of the same path), and the fastest of each kept; the
+median over rounds of the same-round ratio is reported too, with the share of CPU time stolen
+by the hypervisor during the run (bench/cpu_steal.py).
 Writes bench/results/device_iterations.json. Run by hand: `make bench`.
 """
 
