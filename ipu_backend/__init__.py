@@ -47,7 +47,8 @@ from ipu_backend.blocks import (  # noqa: E402
     recomputationCheckpoint,
     removeBlocks,
 )
-from ipu_backend.runtime.memory import IpuSpec, OutOfMemoryError  # noqa: E402
+from ipu_backend.hardware import IpuSpec  # noqa: E402
+from ipu_backend.runtime.memory import OutOfMemoryError  # noqa: E402
 
 __all__ += [
     "AutoStage", "BeginBlock", "Block", "BlockFunction", "IpuSpec", "OutOfMemoryError",

@@ -25,7 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ipu_backend.compiler.registry import lowering
 from ipu_backend.errors import Error
-from ipu_backend.runtime.memory import MEMORY_CHECKS, MK2, IpuSpec
+from ipu_backend.hardware import MEMORY_CHECKS, MK2, IpuSpec
 
 BLOCK_KEY = "ipu_block"
 """``node.meta["custom"][BLOCK_KEY]``: ``(user_id, ipu_id)`` of the node's block, or None
@@ -221,7 +221,7 @@ class PipelinedExecution:
 
     Each argument is a stage: a :class:`Stage`, a block id, or a list of block ids.
 
-    Emulation settings (keywords): ``ipu_spec``, the :class:`~ipu_backend.runtime.memory.IpuSpec`
+    Emulation settings (keywords): ``ipu_spec``, the :class:`~ipu_backend.hardware.IpuSpec`
     each IPU has (Mk2 by default), and ``memory_check``: ``"error"`` (an out-of-memory error when
     a stage does not fit), ``"warn"`` or ``"off"``. ``Options.setIpuSpec`` / ``setMemoryCheck``
     set the same for every model; a setting left at its default in one place gives way to the

@@ -2,15 +2,20 @@
 
 import torch
 
+from ipu_backend.options import Options
+from ipu_backend.profiling import recorder_for
 from ipu_backend.runtime.executor import PoplarExecutor
 
 
 def trainingModel(model: torch.nn.Module, options=None, optimizer=None) -> PoplarExecutor:  # noqa: N802
     """A training executor: each call runs ``deviceIterations`` optimizer steps (SGD lr=0.01 when
     no optimizer is given, as PopTorch) and returns the outputs per ``Options.outputMode``."""
-    return PoplarExecutor(model, options, training=True, optimizer=optimizer)
+    options = options if options is not None else Options()
+    return PoplarExecutor(model, options, training=True, optimizer=optimizer,
+                          recorder=recorder_for(options, True, None))
 
 
 def inferenceModel(model: torch.nn.Module, options=None) -> PoplarExecutor:  # noqa: N802
     """An inference executor sharing the module's device weights with any training executor."""
-    return PoplarExecutor(model, options, training=False)
+    options = options if options is not None else Options()
+    return PoplarExecutor(model, options, training=False, recorder=recorder_for(options, False, None))

@@ -49,7 +49,7 @@ from ipu_backend.enums import (
     SyncPattern,
 )
 from ipu_backend.errors import Error
-from ipu_backend.runtime.memory import DEFAULT_CHECK, MEMORY_CHECKS, MK2, IpuSpec
+from ipu_backend.hardware import DEFAULT_CHECK, MEMORY_CHECKS, MK2, IpuSpec
 
 
 class FrozenOptionsError(Error, AttributeError):

@@ -18,7 +18,7 @@ from typing_extensions import override
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from ipu_backend.runtime.memory import MK2
+from ipu_backend.hardware import MK2
 
 MAX_IPUS_PER_HOST = 64
 """An IPU-POD64's IPUs: the most one host process drives."""

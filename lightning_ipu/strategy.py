@@ -412,13 +412,15 @@ class IPUStrategy(ParallelStrategy):
         if executor is None and method == "training_step" and not self.lightning_module.automatic_optimization:
             executor = self._executors[method] = ManualStepExecutor(
                 self.lightning_module, self._training_opts, self.optimizers, method,
-                self._manual_calls_recorded, self._step_schedulers)
+                self._manual_calls_recorded, self._step_schedulers,
+                recorder=profiling.recorder_for(self._training_opts, True, method))
         if executor is None:
             training = method == "training_step"
+            options = self._training_opts if training else self._inference_opts
             executor = PoplarExecutor(
-                self.lightning_module, self._training_opts if training else self._inference_opts,
-                training, optimizer=self.optimizers[0] if training else None, step_method=method,
-                gradient_clipping=self._gradient_clipping if training else None)
+                self.lightning_module, options, training, optimizer=self.optimizers[0] if training else None,
+                step_method=method, gradient_clipping=self._gradient_clipping if training else None,
+                recorder=profiling.recorder_for(options, training, method))
             self._executors[method] = executor
         return executor
 

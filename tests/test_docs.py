@@ -57,7 +57,7 @@ def test_page_is_built(site, page):
     ("ipu_backend/options.py", "Options"), ("ipu_backend/models.py", "trainingModel"),
     ("ipu_backend/runtime/executor.py", "PoplarExecutor"), ("ipu_backend/data.py", "DataLoader"),
     ("ipu_backend/blocks.py", "BeginBlock"), ("ipu_backend/blocks.py", "PipelinedExecution"),
-    ("ipu_backend/runtime/memory.py", "IpuSpec"),
+    ("ipu_backend/hardware.py", "IpuSpec"),
 ])
 def test_api_reference_shows_ipu_backend_docstrings(site, source, name):
     assert first_sentence(source, name) in page_text(site / "api/ipu_backend.html")

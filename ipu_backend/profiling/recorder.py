@@ -1,5 +1,6 @@
-"""What an executor calls when ``Options.enableProfiling`` is on: it notes each compilation and
-the wall-clock marks of each call, and writes the reports into the executor's directory.
+"""The recorder an executor reports to when ``Options.enableProfiling`` is on (the runtime's
+interface, :mod:`ipu_backend.runtime.recording`): it notes each compilation and the wall-clock
+marks of each call, and writes the reports into the executor's directory.
 
 Files, in ``<profiling dir>/<model>/`` (``training``, ``inference``; for a Lightning step method
 ``training``, ``validation``, ``test``, ``predict``): ``compile_report.json`` and ``.html`` after
@@ -21,6 +22,7 @@ from ipu_backend.profiling.execution import Call, CallTotals, summarize
 from ipu_backend.profiling.execution_page import execution_page
 from ipu_backend.profiling.program_report import describe
 from ipu_backend.profiling.trace import chrome_trace
+from ipu_backend.runtime.recording import NullRecorder, ProgramFacts
 
 DEFAULT_DIR = "ipu_reports"
 """Where ``IPUStrategy(autoreport=True)`` writes reports when given no ``autoreport_dir``."""
@@ -30,28 +32,6 @@ _MODEL_NAMES = {"training_step": "training", "validation_step": "validation", "t
                 "predict_step": "predict"}
 _OPEN: "weakref.WeakValueDictionary[str, Recorder]" = weakref.WeakValueDictionary()
 """Directories of the recorders alive in this process: two models never write into one."""
-
-
-class NullRecorder:
-    """Profiling off: the executor's hooks do nothing."""
-
-    def started(self) -> None:
-        pass
-
-    def compiled(self, executor, compiled, call_args) -> None:
-        pass
-
-    def inputs_on_device(self, call_args) -> None:
-        pass
-
-    def computed(self, *results) -> None:
-        pass
-
-    def finished(self, executor, compiled, call_args) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def _directory(root: str, name: str) -> str:
@@ -70,6 +50,8 @@ def _write(path: str, text: str) -> None:
 class Recorder:
     """The reports of one executor (see the module docstring)."""
 
+    times_inputs = True
+
     def __init__(self, root: str, name: str, training: bool):
         self.name, self.training = name, training
         self.directory = _directory(os.path.abspath(root), name)
@@ -78,7 +60,7 @@ class Recorder:
         self.totals: list[CallTotals] = []       # per report
         self.latest: deque[Call] = deque(maxlen=TRACE_CALLS)
         self.calls = 0
-        self._programs = weakref.WeakKeyDictionary()     # the executor's compiled program -> report index
+        self._programs = weakref.WeakKeyDictionary()     # a compiled program's facts -> report index
         self._marks: dict[str, float] = {}
         self._written_calls = 0
         atexit.register(_flush_at_exit, weakref.ref(self))
@@ -87,11 +69,11 @@ class Recorder:
     def started(self) -> None:
         self._marks = {"started": time.perf_counter()}
 
-    def compiled(self, executor, compiled, call_args) -> None:
+    def compiled(self, program: ProgramFacts, call_args: tuple) -> None:
         """Just compiled: the program's figures, compile time from the start of the call (capture,
         partitioning and XLA compilation)."""
         now = time.perf_counter()
-        self._add(executor, compiled, call_args, now - self._marks.get("started", compiled.started))
+        self._add(program, call_args, now - self._marks.get("started", program.compile_started))
         self._marks["compiled"] = now
 
     def inputs_on_device(self, call_args) -> None:
@@ -102,12 +84,12 @@ class Recorder:
         jax.block_until_ready(results)
         self._marks["computed"] = time.perf_counter()
 
-    def finished(self, executor, compiled, call_args) -> None:
-        if compiled not in self._programs:       # compiled earlier for another executor
-            self._add(executor, compiled, call_args, None)
+    def finished(self, program: ProgramFacts, call_args: tuple) -> None:
+        if program not in self._programs:       # compiled earlier for another executor
+            self._add(program, call_args, None)
         marks = self._marks
         start = max(marks["started"], marks.get("compiled", marks["started"]))
-        call = Call(self._programs[compiled], start, marks["inputs"], marks["computed"], time.perf_counter())
+        call = Call(self._programs[program], start, marks["inputs"], marks["computed"], time.perf_counter())
         self.totals[call.program].add(call)
         self.latest.append(call)
         self.calls += 1
@@ -120,9 +102,9 @@ class Recorder:
         _OPEN.pop(self.directory, None)
 
     # --- reports -----------------------------------------------------------------------------
-    def _add(self, executor, compiled, call_args, seconds: float | None) -> None:
-        self._programs[compiled] = len(self.reports)
-        self.reports.append(describe(executor, compiled, call_args, seconds, self.training))
+    def _add(self, program: ProgramFacts, call_args: tuple, seconds: float | None) -> None:
+        self._programs[program] = len(self.reports)
+        self.reports.append(describe(program, call_args, seconds))
         self.totals.append(CallTotals())
         os.makedirs(self.directory, exist_ok=True)
         _write(os.path.join(self.directory, "compile_report.json"),

@@ -1,8 +1,8 @@
 """The modelled timeline of one device iteration: which stage works on which micro-batch when.
 
 The emulated IPUs run fused XLA programs, so nothing inside a call is sampled. The timeline is
-the executor's own dispatch schedule (:func:`~ipu_backend.runtime.pipeline.training_order` and
-:func:`~ipu_backend.runtime.pipeline.inference_order`) laid out in *slots*: every forward and
+the executor's own dispatch schedule (:func:`~ipu_backend.runtime.schedule.training_order` and
+:func:`~ipu_backend.runtime.schedule.inference_order`) laid out in *slots*: every forward and
 every backward pass of a micro-batch on a stage takes one slot, as in Graphcore's pipeline
 diagrams. In a pipelined training cycle ``t`` each IPU has a forward slot then a backward slot
 (stage ``k`` runs the forward of micro-batch ``t − k`` and the backward of micro-batch
@@ -12,9 +12,10 @@ update takes one more slot on every IPU. Measured call times scale the slots (``
 
 from dataclasses import dataclass
 
-from ipu_backend.runtime.pipeline import inference_order, training_order
+from ipu_backend.runtime.recording import BACKWARD, UPDATE
+from ipu_backend.runtime.schedule import inference_order, training_order
 
-FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
+FORWARD = "forward"
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 DEFAULT_CPU_DEVICES = 8
+REPLICA = "replica"
+"""The name of the replica axis of every mesh."""
 
 
 def reserve_cpu_devices(count: int | None = None) -> None:
@@ -34,4 +36,4 @@ def replica_mesh(replicas: int) -> Mesh:
                       f"{replicas // count} replicas share each device, with identical numerics. Set "
                       "IPU_BACKEND_CPU_DEVICES before the first JAX computation for one device each.",
                       stacklevel=3)
-    return Mesh(np.array(available[:count]), ("replica",))
+    return Mesh(np.array(available[:count]), (REPLICA,))

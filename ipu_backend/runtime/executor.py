@@ -19,12 +19,14 @@ from ipu_backend.compiler.custom_ops import IDENTITY_LOSS
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, totals_of
 from ipu_backend.enums import OutputMode, ReductionType
 from ipu_backend.errors import Error
-from ipu_backend.profiling import NullRecorder, recorder_for
-from ipu_backend.profiling.memory_usage import single_ipu_usage
 from ipu_backend.runtime import compilation_cache, host_idle, memory
+from ipu_backend.runtime.memory import single_ipu_usage
 from ipu_backend.runtime.devices import replica_mesh
+from ipu_backend.runtime.multi_ipu import MultiIpuProgram
+from ipu_backend.runtime.multi_ipu_builder import SplitSettings, build
 from ipu_backend.runtime.optimizers import optimizer_rule
 from ipu_backend.runtime.outputs import host_inputs, inputs_to_device, output_to_host
+from ipu_backend.runtime.recording import SINGLE_IPU, NullRecorder, ProgramFacts, StageFacts
 from ipu_backend.runtime.stages import has_blocks
 from ipu_backend.runtime.step import OutputLayout, Schedule, inference_call, initial_scaler, master_copy, training_call
 from ipu_backend.runtime.weights import release, weight_store
@@ -49,6 +51,7 @@ class _Compiled:
         """A model split over IPUs: its program places weights and inputs on each stage's IPUs
         itself (one copy, from wherever they are), and checked its memory when built."""
         self.executable = None            # XLA executable, compiled ahead of the first call
+        self.facts = None                 # what recorders are told of it, once compiled
         self.started = time.perf_counter()
 
 
@@ -152,9 +155,7 @@ class PoplarExecutor:
     """What ``trainingModel``/``inferenceModel`` return: call it like the model."""
 
     def __init__(self, model: torch.nn.Module, options, training: bool, optimizer=None,
-                 step_method: str | None = None, gradient_clipping=None):
-        from ipu_backend.options import Options
-        options = options if options is not None else Options()
+                 step_method: str | None = None, gradient_clipping=None, recorder=None):
         options._freeze()
         self._options = options.clone()
         self._options._freeze()
@@ -199,9 +200,8 @@ class PoplarExecutor:
         if training:
             self._store.on_host_sync.append(self._optimizer_state_to_host)
         compilation_cache.configure(self._options.executable_cache_dir)
-        self._profiler = recorder_for(self._options, training, step_method)
-        self._profiling = not isinstance(self._profiler, NullRecorder)
-        """Reports time each call's copy of its inputs to the device: they are placed before the call."""
+        self._profiler = recorder if recorder is not None else NullRecorder()
+        """Where the executor reports its compilations and calls (:mod:`~ipu_backend.runtime.recording`)."""
 
     # --- PopTorch's public surface -------------------------------------------------------
     @property
@@ -226,7 +226,7 @@ class PoplarExecutor:
         if not self._attached:
             self.attachToDevice()
         call_args = self._call_arguments(compiled, args, groups,
-                                         place_inputs=compiled.executable is None or self._profiling)
+                                         place_inputs=compiled.executable is None or self._profiler.times_inputs)
         self._ensure_executable(compiled, call_args)
         self._profiler.inputs_on_device(call_args)
         state, arrays, logs = compiled.executable(*call_args)
@@ -242,7 +242,7 @@ class PoplarExecutor:
         host_idle.run_queued()
         self.last_logs = {name: output_to_host(value, compiled.log_dtypes[name]) for name, value in logs.items()}
         outputs = [output_to_host(a, d) for a, d in zip(arrays, compiled.output_dtypes)]
-        self._profiler.finished(self, compiled, call_args)
+        self._profiler.finished(compiled.facts, call_args)
         return compiled.layout.join(outputs)
 
     def compile(self, *args, **kwargs) -> None:
@@ -414,7 +414,7 @@ class PoplarExecutor:
     def _offloads_optimizer_state(self, compiled: _Compiled) -> bool:
         """``setOptimizerLocation(...useOnChipStorage(False))`` on one IPU: between calls the
         optimizer state lives in host memory; the next call streams it in (split models do this
-        per stage in runtime/pipeline.py)."""
+        per stage in runtime/stage_program.py)."""
         return (self._training and not compiled.multi_ipu
                 and not self._options.TensorLocations.optimizer_on_chip)
 
@@ -445,18 +445,35 @@ class PoplarExecutor:
         return cached[2]
 
     def _ensure_executable(self, compiled: _Compiled, call_args: tuple) -> None:
-        """Lower and compile ahead of time, once, and say how long capture and compilation took."""
+        """Lower and compile ahead of time, once, check the memory and say how long capture and
+        compilation took. A multi-IPU program was compiled and checked when it was built."""
         if compiled.executable is not None:
             return
-        executable = compile_lowered(compiled.call.lower(*call_args))
-        if not compiled.multi_ipu:
+        spec, check = memory.in_force(self._options)
+        if compiled.multi_ipu:
+            executable, usage = compiled.call, compiled.call.memory
+        else:
+            executable = compile_lowered(compiled.call.lower(*call_args))
             usage = single_ipu_usage(executable, call_args[0], self._schedule().replicas // self._mesh().size,
                                      optimizer_offloaded=self._offloads_optimizer_state(compiled))
-            memory.check(usage, *memory.in_force(self._options))
+            memory.check(usage, spec, check)
         compiled.executable = executable
-        self._profiler.compiled(self, compiled, call_args)
+        compiled.facts = self._facts(compiled, usage, spec)
+        self._profiler.compiled(compiled.facts, call_args)
         logger.info("compiled the %s program in %.2f s", "training" if self._training else "inference",
                     time.perf_counter() - compiled.started)
+
+    def _facts(self, compiled: _Compiled, usage: list, spec) -> ProgramFacts:
+        """What a recorder is told of ``compiled``."""
+        call = compiled.call
+        if compiled.multi_ipu:
+            execution, ipus, stages = call.execution, call.part.num_ipus, call.stage_facts()
+        else:
+            nodes = tuple(compiled.program.graph_module.graph.nodes)
+            execution, ipus, stages = SINGLE_IPU, 1, (StageFacts(0, 0, nodes, {"step": compiled.executable}),)
+        return ProgramFacts(training=self._training, schedule=self._schedule(), execution=execution,
+                            ipus_per_replica=ipus, stages=stages, memory=usage, ipu_spec=spec,
+                            compile_started=compiled.started)
 
     def _build(self, micro: tuple, schedule: Schedule) -> _Compiled:
         model = self._user_model
@@ -477,21 +494,35 @@ class PoplarExecutor:
         log_dtypes = {name: n.meta["val"].dtype for name, n in zip(log_names, nodes[len(results):])}
         totals = totals_of(program.logs)
         log_dtypes.update({name + TOTAL_SUFFIX: log_dtypes[name] for name in totals})
-        if has_blocks(program.graph_module):        # split over IPUs: runtime/pipeline.py
-            from ipu_backend.runtime.pipeline import build_for
-            multi = build_for(self, micro, schedule, program)
-            if multi is not None:
-                return _Compiled(multi, program, multi.layout, dtypes, log_dtypes, multi.rule, multi_ipu=True)
+        rule = loss_index = None
         if self._training:
             rule = optimizer_rule(self._optimizer, {id(p): n for n, p in
                                                     torch.nn.Module.named_parameters(model)})
+            loss_index = find_loss(program, step_method=self._step_method is not None)
+        if has_blocks(program.graph_module):        # split over IPUs
+            multi = self._multi_ipu_program(micro, schedule, program, rule, loss_index)
+            if multi is not None:
+                return _Compiled(multi, program, multi.layout, dtypes, log_dtypes, multi.rule, multi_ipu=True)
+        if self._training:
             if self._gradient_clipping is not None:
                 rule = self._gradient_clipping.wrap(rule)
-            loss_index = find_loss(program, step_method=self._step_method is not None)
             call = training_call(forward, loss_index, rule, schedule, mesh, layout, totals)
             return _Compiled(call, program, layout, dtypes, log_dtypes, rule)
         return _Compiled(inference_call(forward, schedule, mesh, layout, totals), program, layout, dtypes,
                          log_dtypes)
+
+    def _multi_ipu_program(self, micro: tuple, schedule: Schedule, program, rule, loss_index):
+        """The program of a model with blocks split over IPUs (None when it all runs on IPU 0)."""
+        opts = self._options
+        spec, check = memory.in_force(opts)
+        recomputation = opts._Popart.options.get("autoRecomputation", 0)
+        split = SplitSettings(strategy=opts.execution_strategy, auto_round_num_ipus=opts.auto_round_num_ipus,
+                              recomputation=int(getattr(recomputation, "value", recomputation)),
+                              optimizer_on_chip=opts.TensorLocations.optimizer_on_chip,
+                              ipu_spec=spec, memory_check=check)
+        hyper = None if rule is None else rule.hyperparameters(self._optimizer)
+        return build(self._user_model, program, micro, schedule, split, self._training, rule, hyper, loss_index,
+                     self._step_method, self._gradient_clipping)
 
     def _optimizer_state(self, rule, params):
         if self._opt_state is None:
@@ -531,3 +562,11 @@ class PoplarExecutor:
     def _next_call_index(self) -> int:
         self._calls_made += 1
         return self._calls_made
+
+
+def multi_ipu_program(executor: PoplarExecutor) -> MultiIpuProgram | None:
+    """The multi-IPU program an executor last compiled (its placement and memory figures), or
+    None for a single-IPU model or before the first compilation."""
+    compiled = next(reversed(executor._compiled.values()), None) if executor._compiled else None
+    call = getattr(compiled, "call", None)
+    return call if isinstance(call, MultiIpuProgram) else None

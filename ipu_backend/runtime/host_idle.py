@@ -1,8 +1,8 @@
 """Host work that can wait for the devices: it runs while a call's program computes.
 
-A PopTorch call returns tensors, so its thread waits for the program it starts, and the host
-work of the next call (fetching its combined batch) used to begin only after that wait. Work
-queued here runs in the wait instead: the executor runs the queue once its program is launched.
+A PopTorch call returns tensors, so its thread waits for the program it starts; the host work
+of the next call (fetching its combined batch) would begin only after that wait. Work queued
+here runs in the wait instead: the executor runs the queue once its program is launched.
 """
 
 import weakref

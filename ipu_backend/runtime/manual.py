@@ -55,15 +55,14 @@ from ipu_backend.compiler import compile_module
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, totals_of
 from ipu_backend.enums import OutputMode
 from ipu_backend.errors import Error
-from ipu_backend.profiling import recorder_for
-from ipu_backend.profiling.memory_usage import single_ipu_usage
 from ipu_backend.runtime import compilation_cache, host_idle, memory
 from ipu_backend.runtime.clipping import GradientClipping
-from ipu_backend.runtime.devices import replica_mesh
+from ipu_backend.runtime.devices import REPLICA, replica_mesh
+from ipu_backend.runtime.memory import single_ipu_usage
 from ipu_backend.runtime.optimizers import optimizer_rule
 from ipu_backend.runtime.outputs import inputs_to_device, output_to_host
+from ipu_backend.runtime.recording import BACKWARD, MANUAL, UPDATE, NullRecorder, ProgramFacts, StageFacts
 from ipu_backend.runtime.step import (
-    REPLICA,
     OutputLayout,
     Schedule,
     call_outputs,
@@ -174,6 +173,7 @@ class _Compiled:
         self.output_dtypes, self.log_dtypes = output_dtypes, log_dtypes
         self.events, self.rules = events, rules
         self.executable = None
+        self.facts = None
         self.started = time.perf_counter()
 
 
@@ -190,7 +190,8 @@ class ManualStepExecutor:
     """
 
     def __init__(self, model: torch.nn.Module, options, optimizers: Sequence[torch.optim.Optimizer],
-                 step_method: str, intercept: Callable, step_schedulers: Callable | None = None):
+                 step_method: str, intercept: Callable, step_schedulers: Callable | None = None,
+                 recorder=None):
         options._freeze()
         self._options = options.clone()
         self._options._freeze()
@@ -214,7 +215,7 @@ class ManualStepExecutor:
         self.last_program = None
         self.last_events: tuple = ()
         compilation_cache.configure(self._options.executable_cache_dir)
-        self._profiler = recorder_for(self._options, True, step_method)
+        self._profiler = recorder if recorder is not None else NullRecorder()
 
     @property
     def options(self):
@@ -241,10 +242,12 @@ class ManualStepExecutor:
         if compiled.executable is None:
             executable = compile_lowered(compiled.call.lower(*call_args))
             usage = single_ipu_usage(executable, state, schedule.replicas // mesh.size)
-            memory.check(usage, *memory.in_force(self._options))
+            spec, check = memory.in_force(self._options)
+            memory.check(usage, spec, check)
             compiled.executable = executable
             logger.info("compiled the manual training program in %.2f s", time.perf_counter() - compiled.started)
-            self._profiler.compiled(self, compiled, call_args)
+            compiled.facts = self._facts(compiled, schedule, usage, spec)
+            self._profiler.compiled(compiled.facts, call_args)
         self._profiler.inputs_on_device(call_args)
         state, arrays, logs = compiled.executable(*call_args)
         self._profiler.computed(state, arrays, logs)
@@ -254,7 +257,7 @@ class ManualStepExecutor:
         host_idle.run_queued()
         self.last_logs = {name: output_to_host(v, compiled.log_dtypes[name]) for name, v in logs.items()}
         outputs = compiled.layout.join([output_to_host(a, d) for a, d in zip(arrays, compiled.output_dtypes)])
-        self._profiler.finished(self, compiled, call_args)
+        self._profiler.finished(compiled.facts, call_args)
         return outputs
 
     def loss_scale(self) -> float | None:
@@ -362,6 +365,16 @@ class ManualStepExecutor:
                             replica_mesh(schedule.replicas), layout, totals, self._scaler is not None)
         return _Compiled(call, program, layout, [n.meta["val"].dtype for n in results], log_dtypes,
                          tuple(events.events), rules)
+
+    @staticmethod
+    def _facts(compiled: _Compiled, schedule: Schedule, usage: list, spec) -> ProgramFacts:
+        """What a recorder is told of ``compiled``."""
+        nodes = tuple(compiled.program.graph_module.graph.nodes)
+        passes = tuple(BACKWARD if isinstance(e, Backward) else UPDATE for e in compiled.events
+                       if isinstance(e, (Backward, Step)))
+        return ProgramFacts(training=True, schedule=schedule, execution=MANUAL, ipus_per_replica=1,
+                            stages=(StageFacts(0, 0, nodes, {"step": compiled.executable}),), memory=usage,
+                            ipu_spec=spec, compile_started=compiled.started, manual_passes=passes)
 
     def _optimizer_states_to_host(self) -> None:
         compiled = next(iter(self._compiled.values()), None)

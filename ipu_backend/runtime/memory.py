@@ -1,45 +1,23 @@
-"""The emulated IPU's memory: its specification, a per-IPU estimate, and the out-of-memory check.
+"""The emulated IPU's memory: a per-IPU estimate, and the out-of-memory check.
 
 An IPU holds everything in its In-Processor-Memory: weights, optimizer state (unless offloaded
 to the host), gradient accumulators, the activations stashed between a micro-batch's forward and
 backward passes, and the temporaries of the programs it runs. :func:`estimate` adds these per
 IPU — sizes from the arrays the programs hold, temporaries from XLA's memory analysis of each
-compiled program — and :func:`check` compares them with the :class:`IpuSpec`.
+compiled program — and :func:`check` compares them with the
+:class:`~ipu_backend.hardware.IpuSpec`.
 """
 
+import math
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import jax
+import numpy as np
+
 from ipu_backend.errors import Error
-
-MB = 1_000_000
-
-
-@dataclass(frozen=True)
-class IpuSpec:
-    """One IPU: its In-Processor-Memory in bytes and its tile count (Mk2 GC200 by default)."""
-
-    memory_bytes: int = 900 * MB
-    tiles: int = 1472
-    name: str = "Mk2"
-
-    def __post_init__(self):
-        for field_name in ("memory_bytes", "tiles"):
-            value = getattr(self, field_name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise Error(f"IpuSpec.{field_name} must be a positive int, got {value!r}")
-        if not isinstance(self.name, str):
-            raise Error(f"IpuSpec.name must be a str, got {self.name!r}")
-
-    @property
-    def bytes_per_tile(self) -> float:
-        return self.memory_bytes / self.tiles
-
-
-MK2 = IpuSpec()
-MEMORY_CHECKS = ("error", "warn", "off")
-DEFAULT_CHECK = "error"
+from ipu_backend.hardware import DEFAULT_CHECK, MB, MEMORY_CHECKS, MK2, IpuSpec
 
 
 def in_force(options) -> tuple[IpuSpec, str]:
@@ -105,6 +83,12 @@ class StageMemory:
     optimizer_offloaded: bool
 
 
+def tree_bytes(tree) -> int:
+    """Bytes of the arrays of ``tree`` (random keys excluded: they are not model state)."""
+    return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree)
+               if not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key))
+
+
 def estimate(stages: Iterable[StageMemory]) -> list[IpuMemory]:
     """Per-IPU usage: stages on one IPU add up, except temporaries (one program runs at a time)."""
     ipus: dict[int, IpuMemory] = {}
@@ -162,3 +146,18 @@ def check(usage: list[IpuMemory], spec: IpuSpec, mode: str = "error") -> None:
         warnings.warn(message, stacklevel=4)
         return
     raise OutOfMemoryError(message)
+
+
+def single_ipu_usage(executable, state: dict, replicas_per_device: int,
+                     optimizer_offloaded: bool = False) -> list[IpuMemory]:
+    """The estimate of one replica of a single-IPU program called with ``state``: its weights,
+    buffers and optimizer state are the arrays it is called with, and its temporaries
+    (activations and gradients of the micro-batch being run, gradient sums included) come from
+    XLA's memory analysis; nothing is stashed between programs."""
+    analysis = executable.memory_analysis()
+    temporaries = 0 if analysis is None else int(analysis.temp_size_in_bytes) // replicas_per_device
+    stage = StageMemory(
+        stage=0, ipu=0, weights=tree_bytes(state["params"]) + tree_bytes(state["buffers"]),
+        optimizer=tree_bytes(state.get("opt")), accumulators=0, stash_per_micro_batch=0,
+        stashed_micro_batches=0, temporaries=temporaries, optimizer_offloaded=optimizer_offloaded)
+    return estimate([stage])

@@ -8,7 +8,8 @@ from jax.sharding import PartitionSpec as P
 
 from ipu_backend.compiler import jax_dtype, to_torch
 from ipu_backend.compiler.dtypes import to_jax
-from ipu_backend.runtime.step import REPLICA, Schedule, split_batch
+from ipu_backend.runtime.devices import REPLICA
+from ipu_backend.runtime.schedule import Schedule, split_batch
 
 
 def host_inputs(args: tuple, schedule: Schedule) -> list:

@@ -72,10 +72,6 @@ class Partition:
     def array_outputs(self) -> list[torch.fx.Node]:
         return [leaf for leaf in self.output_leaves if isinstance(leaf, torch.fx.Node)]
 
-    def stage_of_param(self) -> dict[str, int]:
-        """Parameter name → the stage owning it (updating it, for a tied weight)."""
-        return {name: stage.index for stage in self.stages for name in stage.owned}
-
 
 def _where(node: torch.fx.Node) -> str:
     return user_location(node.meta.get("stack_trace")) or "unknown source line"

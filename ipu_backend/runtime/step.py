@@ -8,7 +8,6 @@ and accumulation are ``lax.scan`` loops inside the program, never host loops.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import jax
 import jax.extend as jex
@@ -18,43 +17,16 @@ from jax.sharding import PartitionSpec as P
 
 from ipu_backend.compiler.lowering_options import lowering_options
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX
+from ipu_backend.runtime.devices import REPLICA
 from ipu_backend.runtime.rounding import stochastic_round
-
-REPLICA = "replica"
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """How one host call is split: D device iterations × A micro-batches × R replicas."""
-
-    device_iterations: int
-    accumulation: int
-    replicas: int
-    mean_reduction: bool = True
-    output_mode: str = "final"          # "all" | "final" | "sum" | "every_n"
-    output_period: int = 1
-    dynamic_loss_scaling: bool = False
-    stochastic_rounding: bool = False
-    master_weights: bool = False
-
-    @property
-    def factor(self) -> int:
-        return self.device_iterations * self.accumulation * self.replicas
-
-
-def split_batch(array, schedule: Schedule):
-    """Combined batch ``[D·A·R·m, ...]`` → ``[D, A, R, m, ...]``."""
-    micro = array.shape[0] // schedule.factor
-    return array.reshape(schedule.device_iterations, schedule.accumulation, schedule.replicas,
-                         micro, *array.shape[1:])
+from ipu_backend.runtime.schedule import Schedule
 
 
 def loop_scan(body, carry, xs):
     """``lax.scan`` with ``body`` lowered for a loop: convolutions traced in it use
     ``conv_algorithm="in_loop"``, which XLA:CPU keeps fast inside a loop. A call's device
-    iterations always run in one, a single iteration too: the seed CNN's training step ran
-    1.22× faster in a loop of one than at the program's top level (A/B in one process), and
-    the host-bound MLP's no slower."""
+    iterations always run in one, a single iteration too: a convolutional step runs faster in a
+    loop of one than at the program's top level (docs/performance.md)."""
     with lowering_options(conv_algorithm="in_loop"):
         return jax.lax.scan(body, carry, xs)
 
@@ -133,11 +105,9 @@ def _combine(how: str, running, step):
 PEEL_MAX_EQUATIONS = 300
 """Final mode peels the last device iteration off the loop (:func:`_final_iteration_outputs`)
 when a step has at most this many JAX equations. A step that small spends its time mostly on
-per-kernel overhead, of which the kernels computing only outputs are a visible share (the MLP
-bench's step: 161 equations, 5 of its 27 kernels, 2.2 % of its device time), and compiling it
-twice costs little. A bigger step gains nothing measurable (seed CNN, 598 equations: 1.00x)
-and compiles a second copy of itself (seed CNN: +11 % compile time; a 4-layer transformer
-encoder, 2,342 equations: +30-55 %)."""
+per-kernel overhead, of which the kernels computing only outputs are a visible share, and
+compiling it twice costs little; a bigger step gains nothing measurable and compiles a second
+copy of itself (the figures are in docs/performance.md)."""
 
 
 def device_loop(iteration, carry, xs, schedule: Schedule, totals: dict):
@@ -266,14 +236,17 @@ def replica_sum(tree, devices: int):
     return tree if devices == 1 else jax.lax.psum(tree, REPLICA)
 
 
-def from_replica_zero(tree, local_replicas, devices: int):
-    """Replica 0's value on every device (PopTorch's broadcastBuffers)."""
-    first = jax.tree.map(lambda x: x[0], tree)
-    if devices == 1:
-        return first
+def replica_zero_everywhere(tree):
+    """Replica 0's value on every device of the replica axis (PopTorch's broadcastBuffers)."""
     is_zero = jax.lax.axis_index(REPLICA) == 0
     return jax.tree.map(
-        lambda x: jax.lax.psum(jnp.where(is_zero, x, jnp.zeros_like(x)), REPLICA).astype(x.dtype), first)
+        lambda x: jax.lax.psum(jnp.where(is_zero, x, jnp.zeros_like(x)), REPLICA).astype(x.dtype), tree)
+
+
+def from_replica_zero(tree, local_replicas, devices: int):
+    """Replica 0's value (the first of this device's ``local_replicas``) on every device."""
+    first = jax.tree.map(lambda x: x[0], tree)
+    return first if devices == 1 else replica_zero_everywhere(first)
 
 
 SCALER_GROWTH_INTERVAL = 2000

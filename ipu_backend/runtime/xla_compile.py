@@ -5,8 +5,8 @@ from ipu_backend.compiler.lowerings.backend import on_cpu
 CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 """XLA:CPU's copy insertion with region analysis: it sees that a device-iterations loop may
 update a weight in place once every reader of the old value has run, where the default analysis
-copied some weights at the start of every iteration (the MLP bench's step: 3 copies fewer, 0.9 %
-less device time; the seed CNN's 0.6 %; same numbers, same compile time)."""
+copies some weights at the start of every iteration (same numbers, same compile time; the
+device time saved is in docs/performance.md)."""
 
 
 def compile_lowered(lowered):

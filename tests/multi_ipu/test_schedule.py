@@ -3,7 +3,7 @@ backward on every IPU, ramp-down) and sharded execution, one micro-batch at a ti
 
 import pytest
 
-from ipu_backend.runtime.pipeline import inference_order, stashed_micro_batches, training_order
+from ipu_backend.runtime.schedule import inference_order, stashed_micro_batches, training_order
 
 
 def positions(order):

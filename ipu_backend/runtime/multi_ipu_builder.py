@@ -1,0 +1,178 @@
+"""Building the multi-IPU program of a model with blocks: partition its graph into stages,
+check what PopTorch checks (IPU counts, pipeline depth), compile every stage's programs on its
+devices and check the model fits its IPUs' memory."""
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import torch
+import torch.utils._pytree as torch_pytree
+
+from ipu_backend.blocks import PipelinedExecution, ShardedExecution
+from ipu_backend.compiler import capture
+from ipu_backend.compiler.dtypes import jax_dtype
+from ipu_backend.errors import Error
+from ipu_backend.hardware import IpuSpec
+from ipu_backend.runtime import memory
+from ipu_backend.runtime.clipping import GradientClipping
+from ipu_backend.runtime.memory import tree_bytes
+from ipu_backend.runtime.multi_ipu import MultiIpuProgram
+from ipu_backend.runtime.schedule import Schedule, stashed_micro_batches
+from ipu_backend.runtime.stage_program import MultiIpuSettings, StageProgram
+from ipu_backend.runtime.stages import Partition, partition, sources_from_export, sources_from_program
+from ipu_backend.runtime.step import OutputLayout
+
+
+@dataclass(frozen=True)
+class SplitSettings:
+    """What the options say about splitting a model over IPUs."""
+
+    strategy: object                # the execution strategy (None: PipelinedExecution())
+    auto_round_num_ipus: bool
+    recomputation: int              # PopART's autoRecomputation (0: off)
+    optimizer_on_chip: bool
+    ipu_spec: IpuSpec
+    memory_check: str
+
+
+def check_ipu_count(num_ipus: int, auto_round: bool) -> int:
+    """PopTorch reserves a power of two IPUs: the count to reserve (rounded when allowed)."""
+    rounded = 1 << max(0, num_ipus - 1).bit_length()
+    if rounded == num_ipus:
+        return num_ipus
+    common = ", because PopTorch must reserve a power of 2 or maximum of 64 IPUs per process"
+    if not auto_round:
+        raise Error(f"The model specifies the use of {num_ipus} IPUs, however PopTorch must reserve a "
+                    f"minimum of {rounded} in order to allow the model to run{common}. Please "
+                    "reconfigure your model to use a different number of IPUs or set "
+                    "poptorch.Options().autoRoundNumIPUs(True).")
+    warnings.warn(f"Reserving {rounded} IPUs when the model specifies the use of only {num_ipus}"
+                  f"{common}. {rounded - num_ipus} will be reserved but not used.", stacklevel=4)
+    return rounded
+
+
+def _strategy(strategy) -> PipelinedExecution:
+    if strategy is None:
+        return PipelinedExecution()
+    if not isinstance(strategy, PipelinedExecution):
+        raise Error(f"execution strategy {strategy!r} is not emulated; use poptorch.PipelinedExecution "
+                    "or poptorch.ShardedExecution")
+    return strategy
+
+
+def _check_stage_counts(part: Partition, schedule: Schedule, training: bool, pipelined: bool) -> None:
+    if not pipelined:
+        return
+    forward = part.forward_stages
+    if training and schedule.accumulation < 2 * forward - 1:
+        raise Error(f"poptorch.Options().Training.gradientAccumulation must be greater than or equal to "
+                    f"the number of pipeline stages ({2 * forward - 1}) when using "
+                    f"poptorch.PipelinedExecution (it is {schedule.accumulation}). Please note that a "
+                    f"model with {forward} pipeline stages in PopTorch will have an additional "
+                    f"{forward - 1} stages when training.")
+    if not training and schedule.device_iterations < forward:
+        raise Error(f"poptorch.Options().deviceIterations must be greater than or equal to the number "
+                    f"of pipeline stages ({forward}) when using PopTorch.PipelinedExecution (it is "
+                    f"{schedule.device_iterations}).")
+
+
+def check_metric_states(program, schedule: Schedule) -> None:
+    """Metric states are reduced on the host from every micro-batch's outputs, so all must return."""
+    metrics = sorted({c.state.metric for c in program.logs if c.state is not None})
+    if metrics and schedule.output_mode != "all":
+        raise Error(f"the step updates torchmetrics objects ({', '.join(metrics)}) in a model split "
+                    "over IPUs, whose states are gathered from every micro-batch: use "
+                    "Options().outputMode(OutputMode.All), or update the metrics in a step that "
+                    "returns all outputs (validation/test), or use their functional forms")
+
+
+def _devices(num_ipus: int, replicas: int) -> list:
+    devices = jax.devices()
+    if num_ipus * replicas > len(devices):
+        raise Error(f"the model needs {num_ipus} IPUs × {replicas} replicas = {num_ipus * replicas} emulated "
+                    f"IPUs, but JAX has {len(devices)} device(s): set IPU_BACKEND_CPU_DEVICES="
+                    f"{num_ipus * replicas} (or more) before the first JAX computation")
+    return devices
+
+
+def _export(model, micro: tuple, training: bool, method: str | None):
+    target = model if method is None else capture.StepCall(model, method)
+    was_training = model.training
+    model.train(training)
+    try:
+        return capture.export(target, micro)
+    finally:
+        model.train(was_training)
+
+
+def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, split: SplitSettings,
+          training: bool, rule=None, hyper=None, loss_index: int | None = None,
+          method: str | None = None, clipping: GradientClipping | None = None) -> MultiIpuProgram | None:
+    """The multi-IPU program of ``program``, the capture of ``model`` (or of its step ``method``)
+    on the micro-batch ``micro``, or None when its blocks all run on IPU 0 in one stage (the
+    single-IPU step then serves). Training needs the optimizer's ``rule``, its current
+    ``hyper``-parameters (for their shapes), the index of the loss among the array results and
+    the gradient ``clipping`` (Lightning's) applied before each update, if any."""
+    strategy = _strategy(split.strategy)
+    prefix = "" if method is None else "module."
+    sources = sources_from_program(program, prefix)
+    graph_module = program.graph_module
+    if sources is None:          # lifted constants: their values come from a capture of our own
+        exported = _export(model, micro, training, method)
+        sources, graph_module = sources_from_export(exported, prefix), exported.graph_module
+    part = partition(graph_module, sources, program.mutated_buffers, program.output_spec, strategy)
+    if len(part.stages) == 1 and part.stages[0].ipu == 0:
+        return None
+    pipelined = not isinstance(strategy, ShardedExecution)
+    check_metric_states(program, schedule)
+    _check_stage_counts(part, schedule, training, pipelined)
+    check_ipu_count(part.num_ipus * schedule.replicas, split.auto_round_num_ipus)
+    devices = _devices(part.num_ipus, schedule.replicas)
+    settings = MultiIpuSettings(training=training, pipelined=pipelined, schedule=schedule, loss_index=loss_index,
+                         recompute=split.recomputation if training else 0,
+                         offload=training and not split.optimizer_on_chip,
+                         stages=len(part.stages), clipping=clipping if training else None,
+                         clip_max_grad_norm=training and math.isfinite(float(hyper["max_grad_norm"])),
+                         half_params=tuple(sorted(n for n, p in torch.nn.Module.named_parameters(model)
+                                                  if p.dtype in (torch.float16, torch.bfloat16))))
+
+    leaves = torch_pytree.tree_leaves(tuple(micro))
+    input_avals = {i: jax.ShapeDtypeStruct((schedule.device_iterations, schedule.accumulation,
+                                            schedule.replicas, *leaf.shape), jax_dtype(leaf.dtype))
+                   for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
+    static_inputs = {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
+    params = {n: jax.ShapeDtypeStruct(tuple(p.shape), jax_dtype(p.dtype))
+              for n, p in torch.nn.Module.named_parameters(model)}
+    buffers = {n: jax.ShapeDtypeStruct(tuple(b.shape), jax_dtype(b.dtype))
+               for n, b in torch.nn.Module.named_buffers(model)}
+    stages = [StageProgram(part, plan, [devices[r * part.num_ipus + plan.ipu] for r in range(schedule.replicas)],
+                     settings, params, buffers, input_avals, static_inputs, rule)
+              for plan in part.stages]
+    hyper_avals = None if hyper is None else jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), hyper)
+    usage = []
+    for stage in stages:
+        temporaries = stage.compile(hyper_avals)
+        usage.append(memory.StageMemory(
+            stage=stage.plan.index, ipu=stage.plan.ipu,
+            weights=tree_bytes(stage.param_avals) + tree_bytes(stage.buffer_avals),
+            optimizer=tree_bytes(stage.opt_avals()) if training else 0,
+            accumulators=tree_bytes(stage.zero_accumulator_avals()) if training else 0,
+            stash_per_micro_batch=stage.stash_bytes(),
+            stashed_micro_batches=stashed_micro_batches(stage.plan.index, len(stages), pipelined) if training else 0,
+            temporaries=max(temporaries.values(), default=0), optimizer_offloaded=settings.offload))
+    usage = memory.estimate(usage)
+    memory.check(usage, split.ipu_spec, split.memory_check)
+    # A step method's outputs are (result, logged values): the layout is the result's.
+    result_spec = part.out_spec if method is None else part.out_spec.child(0)
+    layout = OutputLayout()
+    layout.split(torch_pytree.tree_unflatten(
+        [jnp.zeros(()) if isinstance(leaf, torch.fx.Node) else leaf
+         for leaf in part.output_leaves[:result_spec.num_leaves]], result_spec))
+    log_names = tuple(c.name for c in program.logs if c.is_tensor)
+    dtypes = [node.meta["val"].dtype for node in part.array_outputs]
+    metric_states = {c.name: c.state.reduction for c in program.logs if c.state is not None}
+    return MultiIpuProgram(part, stages, settings, layout, dtypes, rule, usage,
+                           sorted(input_avals), log_names, metric_states)

@@ -1,0 +1,78 @@
+"""The schedule: how one host call is split (device iterations x micro-batches x replicas), and
+for a model split over IPUs which stage runs which micro-batch when.
+
+Pipelined training follows Graphcore's schedule: with S stages a step has 2S−1 pipeline stages
+(the forward of each IPU, then the backward of all but the last); micro-batch ``m`` reaches
+pipeline stage ``p`` at cycle ``m + p``, so IPU ``k`` runs the forward of micro-batch ``t − k``
+and the backward of micro-batch ``t − (2S − 2 − k)`` at cycle ``t`` (ramp-up, a steady state
+where every IPU alternates forward and backward, ramp-down). Sharded execution runs one
+micro-batch at a time through every stage and back.
+
+The multi-IPU program dispatches in this order and the execution reports draw it: this module is
+the one source of both.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How one host call is split: D device iterations × A micro-batches × R replicas."""
+
+    device_iterations: int
+    accumulation: int
+    replicas: int
+    mean_reduction: bool = True
+    output_mode: str = "final"          # "all" | "final" | "sum" | "every_n"
+    output_period: int = 1
+    dynamic_loss_scaling: bool = False
+    stochastic_rounding: bool = False
+    master_weights: bool = False
+
+    @property
+    def factor(self) -> int:
+        return self.device_iterations * self.accumulation * self.replicas
+
+
+def split_batch(array, schedule: Schedule):
+    """Combined batch ``[D·A·R·m, ...]`` → ``[D, A, R, m, ...]``."""
+    micro = array.shape[0] // schedule.factor
+    return array.reshape(schedule.device_iterations, schedule.accumulation, schedule.replicas,
+                         micro, *array.shape[1:])
+
+
+def training_order(micro_batches: int, stages: int, pipelined: bool) -> list[tuple[str, int, int]]:
+    """``(role, stage, micro_batch)`` in dispatch order for one optimizer step; role is ``"F"``
+    (forward), ``"B"`` (backward) or ``"FB"`` (the last stage's forward and backward)."""
+    last = stages - 1
+    if not pipelined:
+        return [event for m in range(micro_batches)
+                for event in ([("F", k, m) for k in range(last)] + [("FB", last, m)] +
+                              [("B", k, m) for k in reversed(range(last))])]
+    order = []
+    for cycle in range(micro_batches + 2 * stages - 2):
+        for k in range(stages):
+            m = cycle - k
+            if 0 <= m < micro_batches:
+                order.append(("FB" if k == last else "F", k, m))
+        for k in reversed(range(last)):
+            m = cycle - (2 * stages - 2 - k)
+            if 0 <= m < micro_batches:
+                order.append(("B", k, m))
+    return order
+
+
+def inference_order(micro_batches: int, stages: int, pipelined: bool) -> list[tuple[int, int]]:
+    """``(stage, micro_batch)`` forwards in dispatch order."""
+    if not pipelined:
+        return [(k, m) for m in range(micro_batches) for k in range(stages)]
+    return [(k, cycle - k) for cycle in range(micro_batches + stages - 1) for k in range(stages)
+            if 0 <= cycle - k < micro_batches]
+
+
+def stashed_micro_batches(stage: int, stages: int, pipelined: bool) -> int:
+    """Micro-batches whose stash stage ``stage`` holds at once (its forward runs ahead of its
+    backward by 2(S−1−k) cycles in a pipeline)."""
+    if stage == stages - 1:
+        return 0
+    return 2 * (stages - 1 - stage) + 1 if pipelined else 1
