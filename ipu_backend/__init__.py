@@ -6,6 +6,7 @@ reserve_cpu_devices()
 
 from ipu_backend import optim  # noqa: E402
 from ipu_backend.compiler.custom_ops import identity_loss  # noqa: E402
+from ipu_backend.control_flow import cond, for_loop  # noqa: E402
 from ipu_backend.data import DataLoader  # noqa: E402
 from ipu_backend.enums import (  # noqa: E402
     CommGroupType,
@@ -26,6 +27,18 @@ from ipu_backend.enums import (  # noqa: E402
 from ipu_backend.errors import Error  # noqa: E402
 from ipu_backend.models import inferenceModel, trainingModel  # noqa: E402
 from ipu_backend.options import Options, TensorLocationSettings  # noqa: E402
+from ipu_backend.ops import (  # noqa: E402
+    NameScope,
+    dynamic_slice,
+    dynamic_update,
+    ipu_print_tensor,
+    isRunningOnIpu,
+    nop,
+    serializedMatMul,
+    set_available_memory,
+    set_overlap_for_input,
+    set_overlap_for_output,
+)
 from ipu_backend.runtime.executor import PoplarExecutor  # noqa: E402
 
 __all__ = [
@@ -33,7 +46,9 @@ __all__ = [
     "HalfFloatCastingBehavior", "Liveness", "MatMulSerializationMode", "MeanReductionStrategy",
     "MultiConvPlanType", "Options", "OutputMode", "OverlapMode", "PoplarExecutor", "ReductionType",
     "SharingStrategy", "SyncPattern", "TensorLocationSettings", "VariableRetrievalMode",
-    "identity_loss", "inferenceModel", "optim", "trainingModel",
+    "cond", "for_loop", "identity_loss", "inferenceModel", "optim", "trainingModel",
+    "NameScope", "dynamic_slice", "dynamic_update", "ipu_print_tensor", "isRunningOnIpu", "nop",
+    "serializedMatMul", "set_available_memory", "set_overlap_for_input", "set_overlap_for_output",
 ]
 
 from ipu_backend.blocks import (  # noqa: E402

@@ -1,6 +1,7 @@
 """Capture a module, or one of its step methods, as a core-ATen graph with torch.export."""
 
 import contextlib
+import contextvars
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +12,7 @@ from torch._export import utils as _export_utils
 from torch.export import exported_program as _exported_program
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from ipu_backend.compiler import metric_states
+from ipu_backend.compiler import loops, metric_states
 from ipu_backend.compiler.sources import traceback_location
 from ipu_backend.errors import Error
 
@@ -104,11 +105,31 @@ class StepCall(torch.nn.Module):
         return result, list(self.recorder.tensors) + values
 
 
+_CAPTURING = contextvars.ContextVar("ipu_backend_capturing", default=False)
+
+
+def capturing() -> bool:
+    """Whether a model is being captured for the emulated IPUs now, in this thread
+    (PopTorch's ``isRunningOnIpu``). torch traces ``torch.cond`` branches with its compiler,
+    which cannot read the context variable but answers ``is_compiling()``."""
+    return torch.compiler.is_compiling() or _CAPTURING.get()
+
+
+@contextlib.contextmanager
+def _capture_scope():
+    token = _CAPTURING.set(True)
+    try:
+        yield
+    finally:
+        _CAPTURING.reset(token)
+
+
 def export(module: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram:
-    """torch.export (non-strict) decomposed to core ATen, with errors a user can act on."""
+    """torch.export (non-strict) decomposed to core ATen, ``poptorch.for_loop`` bodies outlined,
+    with errors a user can act on."""
     try:
         # preserve_node_meta keeps torch.fx.traceback.annotate(...) tags (pipeline blocks) on nodes.
-        with torch.fx.traceback.preserve_node_meta():
+        with torch.fx.traceback.preserve_node_meta(), _capture_scope():
             exported = torch.export.export(module, tuple(args), strict=False)
     except GuardOnDataDependentSymNode as error:
         where = traceback_location(error.__traceback__) or "unknown source line"
@@ -117,7 +138,9 @@ def export(module: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram
             "traced once, so Python control flow cannot depend on tensor data. Use torch.where "
             "for element-wise choices, or torch.cond(pred, true_fn, false_fn, operands) to "
             "branch (it lowers to lax.cond).") from error
-    return decompose_to_core_aten(exported)
+    exported = decompose_to_core_aten(exported)
+    loops.outline_loops(exported.graph_module)
+    return exported
 
 
 def decompose_to_core_aten(exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

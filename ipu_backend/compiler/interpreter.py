@@ -65,6 +65,11 @@ class LoweringContext:
         """Evaluate a nested graph (``torch.cond`` branches) with keys of its own."""
         return run_graph(graph_module, args, self.base_key, self.path + (index,))
 
+    def run_body(self, graph_module: torch.fx.GraphModule, args, trip):
+        """Evaluate a loop body on trip ``trip`` (a traced index): its random numbers differ per
+        trip, as they do when the body runs again in torch."""
+        return run_graph(graph_module, args, jax.random.fold_in(self.key(), trip))
+
 
 def unsupported_ops(graph_module: torch.fx.GraphModule) -> list[tuple[str, str]]:
     """``(op, user location)`` for each node, nested graphs included, that has no lowering."""

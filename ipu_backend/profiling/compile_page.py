@@ -58,6 +58,17 @@ def _top_ops(stage: dict, limit: int = 12) -> str:
     return f"<p><b>Stage {stage['stage']}</b> ATen operations: {aten or 'none'}</p>"
 
 
+def _hints(stages: list[dict]) -> str:
+    """PopTorch's planning hints and name scopes: what was asked, where (none changes a number)."""
+    rows = [[s["stage"], h["kind"], h["value"], h["op"], h["name_scope"], h["location"] or ""]
+            for s in stages for h in s.get("hints", ())]
+    scopes = ", ".join(f"{escape(scope)} × {n}" for s in stages for scope, n in s.get("name_scopes", {}).items())
+    return ((("<h2>Hints</h2>" + table(["stage", "hint", "value", "on", "name scope", "source"], rows)
+              + '<p class="note">Poplar planning hints are recorded; emulated IPUs compute the same '
+                "numbers without them.</p>") if rows else "")
+            + (f"<p><b>Name scopes</b> (operations): {scopes}</p>" if scopes else ""))
+
+
 def render(name: str, report: dict, index: int) -> str:
     schedule, spec = report["schedule"], report["ipu_spec"]
     seconds = report["compile_seconds"]
@@ -79,7 +90,8 @@ def render(name: str, report: dict, index: int) -> str:
             + table(["stage", "IPU", "ATen ops", "program", "FLOPs", "bytes accessed", "HLO ops"],
                     _stage_rows(report["stages"]))
             + f'<p class="note">{escape(report["flops_note"])}</p>'
-            + "".join(_top_ops(s) for s in report["stages"]))
+            + "".join(_top_ops(s) for s in report["stages"])
+            + _hints(report["stages"]))
 
 
 def compile_page(name: str, reports: list[dict]) -> str:

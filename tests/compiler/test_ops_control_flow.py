@@ -8,7 +8,12 @@ import torch.nn.functional as F
 
 import ipu_backend
 from ipu_backend.compiler import compile_module, to_jax
+from ipu_backend.compiler.loops import FOR_LOOP
 from tests.compiler.harness import FnModule, OpCase, case_params, check_case
+
+
+def looped(x, y):
+    return ipu_backend.for_loop(3, lambda a, b: (torch.tanh(a * y) + b, b * 0.5), [x, y.exp()])
 
 
 def gated(x, y):
@@ -20,6 +25,8 @@ CASES = [
            (torch.float32,), ops=(torch.ops.higher_order.cond,))
     for name, sign in (("true_branch", 1.0), ("false_branch", -1.0))
 ] + [
+    OpCase("for_loop", looped, lambda dtype: (torch.randn(3, 4, dtype=dtype), torch.randn(3, 4, dtype=dtype)),
+           ops=(FOR_LOOP,)),
     OpCase("one_hot_checks_class_range", lambda logits, y: (F.one_hot(y, 5) * logits).sum(-1),
            lambda dtype: (torch.randn(6, 5, dtype=dtype), torch.tensor([0, 4, 2, 2, 1, 3])),
            ops=(torch.ops.aten._assert_async.msg,)),

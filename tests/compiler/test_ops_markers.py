@@ -3,14 +3,22 @@
 import pytest
 import torch
 
+import ipu_backend as poptorch
 from ipu_backend import Error
 from ipu_backend.compiler.custom_ops import IDENTITY_LOSS, identity_loss
+from ipu_backend.compiler.hints import HINT
+from ipu_backend.compiler.tensor_print import PRINT_TENSOR
 from tests.compiler.harness import OpCase, case_params, check_case
 
 CASES = [
     OpCase(f"identity_loss_{reduction}", lambda x, r=reduction: identity_loss(x * 2.0, r),
            lambda dtype: (torch.randn(3, 4, dtype=dtype),), (torch.float32, torch.float16), ops=(IDENTITY_LOSS,))
     for reduction in ("sum", "mean", "none")
+] + [
+    OpCase("hints_are_identities", lambda x: poptorch.nop(poptorch.set_available_memory(x.exp(), 0.5)) * 3,
+           lambda dtype: (torch.randn(3, 4, dtype=dtype),), ops=(HINT,)),
+    OpCase("ipu_print_tensor_is_an_identity", lambda x: poptorch.ipu_print_tensor(x.sin(), "x") * 2,
+           lambda dtype: (torch.randn(3, 4, dtype=dtype),), ops=(PRINT_TENSOR,)),
 ]
 
 

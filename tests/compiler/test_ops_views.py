@@ -5,8 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ipu_backend
 from ipu_backend import Error
 from ipu_backend.compiler import compile_module, to_jax
+from ipu_backend.compiler.dynamic_slicing import DYNAMIC_SLICE, DYNAMIC_UPDATE
 from tests.compiler.harness import OpCase, case_params, check_case
 
 aten = torch.ops.aten
@@ -296,7 +298,19 @@ EMBEDDING_SORTING = [
            ops=(aten.topk.default,)),
 ]
 
-CASES = SHAPES + PADDING + WRITES + INDEXING + GATHER_SCATTER + SCATTER_REDUCE + EMBEDDING_SORTING
+DYNAMIC_SLICING = [
+    OpCase(f"dynamic_slice_start_{start}",
+           lambda x, s: ipu_backend.dynamic_slice(x, 1, s, 4, 2) * 2,
+           lambda dtype, s=start: (torch.randn(3, 7, dtype=dtype), torch.tensor([s])), ops=(DYNAMIC_SLICE,))
+    for start in (1, 6)      # 6 overruns and is moved back into range, as on an IPU
+] + [
+    OpCase("dynamic_update", lambda x, src, s: ipu_backend.dynamic_update(x.exp(), src * 3, 0, s, 2),
+           lambda dtype: (torch.randn(5, 3, dtype=dtype), torch.randn(2, 3, dtype=dtype), torch.tensor(2)),
+           ops=(DYNAMIC_UPDATE,)),
+]
+
+CASES = (SHAPES + PADDING + WRITES + INDEXING + GATHER_SCATTER + SCATTER_REDUCE + EMBEDDING_SORTING
+         + DYNAMIC_SLICING)
 
 
 @pytest.mark.filterwarnings("ignore:The reduce argument of torch.scatter:UserWarning")

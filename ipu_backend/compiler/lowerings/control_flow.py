@@ -1,5 +1,6 @@
-"""Lowerings: control flow. ``torch.cond`` becomes ``lax.cond`` over the traced branch graphs;
-torch's run-time data checks (``_assert_async``) are checked where the data is known."""
+"""Lowerings: control flow. ``torch.cond`` becomes ``lax.cond`` over the traced branch graphs,
+``poptorch.for_loop`` ``lax.fori_loop`` over its outlined body; torch's run-time data checks
+(``_assert_async``) are checked where the data is known."""
 
 import warnings
 
@@ -7,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from ipu_backend.compiler.loops import FOR_LOOP
 from ipu_backend.compiler.registry import lowering
 from ipu_backend.errors import Error
 
@@ -32,3 +34,12 @@ def assert_async(ctx, condition, message):
                       "error", stacklevel=2)
     elif not bool(condition):
         raise Error(f"{message} (at {ctx.location()})")
+
+
+@lowering(FOR_LOOP)
+def for_loop(ctx, body, count, carried, captured):
+    """``poptorch.for_loop``: the outlined body graph (``compiler/loops.py``) run ``count`` times."""
+    def trip(index, values):
+        return tuple(ctx.run_body(body, list(values) + list(captured), index))
+
+    return list(jax.lax.fori_loop(0, count, trip, tuple(carried)))

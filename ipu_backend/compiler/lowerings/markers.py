@@ -1,8 +1,9 @@
-"""Lowerings: PopTorch's marker ops (``identity_loss``)."""
+"""Lowerings: PopTorch's marker ops (``identity_loss``, compiler hints)."""
 
 import jax.numpy as jnp
 
 from ipu_backend.compiler.custom_ops import IDENTITY_LOSS
+from ipu_backend.compiler.hints import HINT
 from ipu_backend.compiler.registry import lowering
 
 
@@ -12,4 +13,10 @@ def identity_loss(ctx, x, reduction):
         return jnp.sum(x)
     if reduction == "mean":
         return jnp.mean(x)
+    return x
+
+
+@lowering(HINT)
+def hint(ctx, x, kind, value):
+    """A Poplar planning hint (``compiler/hints.py``): the value itself."""
     return x

@@ -1,0 +1,83 @@
+"""PopTorch's compiler hints and name scopes, kept in the captured graph for the reports.
+
+Poplar uses ``set_available_memory``, ``nop``, ``set_overlap_for_input/output`` and matmul
+serialization to plan memory and host IO; on emulated IPUs they change no number. Each becomes a
+``hint(x, kind, value)`` node (an identity, gradient included) so that the compile report can list
+what was asked, on which operation and where. ``NameScope`` names are node annotations
+(``node.meta["custom"][NAME_SCOPE_KEY]``), like pipeline blocks.
+"""
+
+from collections import Counter
+
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+
+from ipu_backend.compiler.sources import user_location
+
+NAME_SCOPE_KEY = "ipu_name_scope"
+"""``node.meta["custom"][NAME_SCOPE_KEY]``: the ``/``-joined ``NameScope`` names around the node."""
+
+
+@torch.library.custom_op("ipu_backend::hint", mutates_args=())
+def _hint(x: torch.Tensor, kind: str, value: str) -> torch.Tensor:
+    return x.clone()
+
+
+@_hint.register_fake
+def _(x, kind, value):
+    return torch.empty_like(x)
+
+
+_hint.register_autograd(lambda ctx, grad: (grad, None, None))
+HINT = torch.ops.ipu_backend.hint.default
+
+
+def hint(x: torch.Tensor, kind: str, value: str) -> torch.Tensor:
+    """``x``, marked in the captured graph with the hint ``kind`` (its ``value`` as text)."""
+    return _hint(x, kind, value)
+
+
+def _scope_of(node: torch.fx.Node) -> str:
+    return node.meta.get("custom", {}).get(NAME_SCOPE_KEY) or ""
+
+
+def current_name_scope() -> str:
+    """The name scope that nodes recorded now get."""
+    return fx_traceback.current_meta.get("custom", {}).get(NAME_SCOPE_KEY) or ""
+
+
+def set_name_scope(scope: str) -> None:
+    """Tag the nodes recorded from now on with ``scope`` (only while a capture keeps node meta)."""
+    if fx_traceback.has_preserved_node_meta():
+        custom = fx_traceback.current_meta.get("custom", {})
+        fx_traceback.current_meta["custom"] = {**custom, NAME_SCOPE_KEY: scope}
+
+
+def _producer(node: torch.fx.Node) -> str:
+    """The operation whose output a hint marks (through other hints), as the reports name ops."""
+    source = node.args[0]
+    while isinstance(source, torch.fx.Node) and source.target is HINT:
+        source = source.args[0]
+    if not isinstance(source, torch.fx.Node):
+        return "constant"
+    if source.op == "placeholder":
+        return "input"
+    target = source.target
+    return str(target.overloadpacket) if isinstance(target, torch._ops.OpOverload) else str(target)
+
+
+def hints_of(nodes) -> list[dict]:
+    """The hints among graph ``nodes``: kind, value, the operation they mark, name scope and
+    source line."""
+    return [{"kind": n.args[1], "value": n.args[2], "op": _producer(n), "name_scope": _scope_of(n),
+             "location": user_location(n.meta.get("stack_trace"))}
+            for n in nodes if n.op == "call_function" and n.target is HINT]
+
+
+def name_scope_counts(nodes) -> dict[str, int]:
+    """Operations per ``NameScope`` (``"outer/inner"``); operations outside every scope are not
+    counted."""
+    counts = Counter(_scope_of(n) for n in nodes if n.op == "call_function" and n.target is not HINT)
+    counts.pop("", None)
+    return dict(counts.most_common())
