@@ -39,7 +39,9 @@ from ipu_backend.ops import (  # noqa: E402
     set_overlap_for_input,
     set_overlap_for_output,
 )
+from ipu_backend.runtime.compile_hooks import registerPostCompileHook, registerPreCompileHook  # noqa: E402
 from ipu_backend.runtime.executor import PoplarExecutor  # noqa: E402
+from ipu_backend.runtime.module_repr import module_repr  # noqa: E402
 
 __all__ = [
     "CommGroupType", "ConnectionType", "DataLoader", "DataLoaderMode", "Error",
@@ -49,6 +51,7 @@ __all__ = [
     "cond", "for_loop", "identity_loss", "inferenceModel", "optim", "trainingModel",
     "NameScope", "dynamic_slice", "dynamic_update", "ipu_print_tensor", "isRunningOnIpu", "nop",
     "serializedMatMul", "set_available_memory", "set_overlap_for_input", "set_overlap_for_output",
+    "module_repr", "registerPostCompileHook", "registerPreCompileHook",
 ]
 
 from ipu_backend.blocks import (  # noqa: E402

@@ -13,8 +13,15 @@ Every option is stored in ``defaults`` and in each param group, so ``state_dict(
 The compiled training step runs its own update rule (``ipu_backend.runtime.optimizers``)
 that applies all of them. ``step()`` of SGD, Adam, AdamW and RMSprop is torch's eager step, which
 (as in PopTorch) applies none of the IPU options; LAMB's eager step follows PopTorch's formula.
+
+Each optimizer has PopTorch's ``variable_attrs`` (:class:`VariableAttributes`): the attributes
+given to the constructor are variable, the others constant. On emulated IPUs every
+hyper-parameter is an input of the compiled program, so a change takes effect without
+recompiling whichever way an attribute is marked; the marks are kept for scripts that read them.
 """
 
+import functools
+import inspect
 import math
 import warnings
 
@@ -94,10 +101,60 @@ def _optimizer_wide_attribute(name: str) -> property:
     return property(get, set, doc=f"PopTorch's optimizer-wide ``{name}``, kept in every param group.")
 
 
+class VariableAttributes:
+    """Which optimizer attributes are variable and which constant (``optimizer.variable_attrs``):
+    ``isConstant(attr)``, ``markAsConstant(attr)``, ``markAsVariable(attr)``. The attributes an
+    optimizer's constructor was given are variable, as in PopTorch."""
+
+    def __init__(self, variable_attributes: list[str], allowed_attributes: list[str]) -> None:
+        self._variable_attributes = list(variable_attributes)
+        self._allowed_attributes = list(allowed_attributes)
+
+    def isConstant(self, attr: str) -> bool:  # noqa: N802
+        """Whether ``attr`` is marked as constant."""
+        return attr not in self._variable_attributes
+
+    def _check(self, attr: str) -> None:
+        if attr not in self._allowed_attributes:
+            raise AssertionError(f"Unknown attribute {attr}, allowed values: {self._allowed_attributes}")
+
+    def markAsConstant(self, attr: str) -> None:  # noqa: N802
+        """Mark ``attr`` as constant."""
+        self._check(attr)
+        self._variable_attributes = [a for a in self._variable_attributes if a != attr]
+
+    def markAsVariable(self, attr: str) -> None:  # noqa: N802
+        """Mark ``attr`` as variable."""
+        self._check(attr)
+        self._variable_attributes.append(attr)
+
+    def __repr__(self) -> str:
+        return f"VariableAttributes(variable={self._variable_attributes})"
+
+
+def _records_given_arguments(init):
+    """Wrap an optimizer's ``__init__`` so that the arguments its caller gave become the variable
+    attributes of ``variable_attrs``."""
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        given = signature.bind(self, *args, **kwargs).arguments
+        allowed = list(self.defaults)
+        self.variable_attrs = VariableAttributes([name for name in given if name in allowed], allowed)
+
+    return recording_init
+
+
 class _IPUOptions:
     """Stores PopTorch's extra options in ``defaults`` and every param group."""
 
     _optimizer_wide: tuple[str, ...] = ()
+
+    def __getstate__(self) -> dict:
+        """torch's state, and ``variable_attrs`` (copies and pickles keep the marks)."""
+        return {**super().__getstate__(), "variable_attrs": self.variable_attrs}
 
     def _add_options(self, options: dict) -> None:
         """Validate ``options`` (values a param group already holds win, as for torch's own
@@ -285,6 +342,7 @@ class LAMB(_IPUOptions, torch.optim.Optimizer):
 
 
 for _cls in (SGD, Adam, AdamW, RMSprop, LAMB):
+    _cls.__init__ = _records_given_arguments(_cls.__init__)
     for _name in _cls._optimizer_wide:
         setattr(_cls, _name, _optimizer_wide_attribute(_name))
 del _cls, _name

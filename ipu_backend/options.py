@@ -241,6 +241,8 @@ class _TrainingOptions(_OptionGroup):
     mean_reduction_strategy = _emulated(
         "mean_reduction_strategy",
         "When the mean reduction divides by the count (a MeanReductionStrategy).")
+    meanAccumulationAndReplicationReductionStrategy = _emulated(  # noqa: N815
+        "mean_reduction_strategy", "PopTorch's read-back name of ``mean_reduction_strategy``.")
     auto_loss_scaling = _emulated("auto_loss_scaling", "Whether automatic loss scaling is on.")
 
     @_unless_frozen

@@ -504,3 +504,52 @@ def test_unsupported_optimizers_and_parameters():
     split.add_param_group({"params": [extra], "loss_scaling": 2.0})
     with pytest.raises(Error, match="loss_scaling must be the same in every param group"):
         optimizer_rule(split, names | {id(extra): "extra"})
+
+
+def test_variable_attrs_mark_the_given_arguments_as_poptorch():
+    params = [torch.nn.Parameter(torch.ones(2))]
+    sgd = optim.SGD(params, lr=0.1, momentum=0.9)
+    assert not sgd.variable_attrs.isConstant("lr") and not sgd.variable_attrs.isConstant("momentum")
+    assert sgd.variable_attrs.isConstant("loss_scaling") and sgd.variable_attrs.isConstant("dampening")
+    sgd.variable_attrs.markAsVariable("loss_scaling")
+    sgd.variable_attrs.markAsConstant("momentum")
+    copied = copy.deepcopy(sgd)
+    assert not copied.variable_attrs.isConstant("loss_scaling") and copied.variable_attrs.isConstant("momentum")
+    with pytest.raises(AssertionError, match="Unknown attribute foo, allowed values"):
+        sgd.variable_attrs.markAsConstant("foo")
+
+    class LambNoBias(optim.LAMB):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, bias_correction=False, **kwargs)
+
+    lamb = LambNoBias(params, lr=0.1)
+    assert not lamb.variable_attrs.isConstant("bias_correction")
+    assert lamb.variable_attrs.isConstant("eps")
+
+
+def test_half_accumulators_choose_the_running_mean_strategy_as_poptorch():
+    import ipu_backend as poptorch
+
+    class Summed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def forward(self, x):
+            return self.layer(x).sum()
+
+    Strategy = poptorch.MeanReductionStrategy
+    model = Summed()
+    x = torch.ones(2, 2)
+    opts = poptorch.Options()
+    executor = poptorch.trainingModel(model, opts, optim.Adam(model.parameters(), accum_type=torch.half))
+    assert executor.options.Training.meanAccumulationAndReplicationReductionStrategy == Strategy.Running
+    assert opts.Training.meanAccumulationAndReplicationReductionStrategy == Strategy.Post    # the user's copy
+    combined = poptorch.trainingModel(torch.nn.Linear(2, 1), optimizer=optim.SGD(
+        model.parameters(), lr=0.1, accum_type=torch.half, use_combined_accum=True))
+    assert combined.options.Training.mean_reduction_strategy == Strategy.Post
+    plain = poptorch.trainingModel(model, optimizer=optim.Adam(model.parameters()))
+    plain.compile(x)
+    with pytest.raises(ValueError, match="the new optimizer would require changing options.Training."
+                                         "meanAccumulationAndReplicationReductionStrategy"):
+        plain.setOptimizer(optim.Adam(model.parameters(), accum_type=torch.half))

@@ -17,14 +17,15 @@ from jax.sharding import PartitionSpec as P
 from ipu_backend.compiler import compile_module
 from ipu_backend.compiler.custom_ops import IDENTITY_LOSS
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, totals_of
-from ipu_backend.enums import OutputMode, ReductionType
+from ipu_backend.enums import MeanReductionStrategy, OutputMode, ReductionType
 from ipu_backend.errors import Error
-from ipu_backend.runtime import compilation_cache, host_idle, memory
+from ipu_backend.runtime import compilation_cache, compile_hooks, host_idle, memory, perf_counters
 from ipu_backend.runtime.memory import single_ipu_usage
 from ipu_backend.runtime.devices import replica_mesh
+from ipu_backend.runtime.module_repr import module_repr
 from ipu_backend.runtime.multi_ipu import MultiIpuProgram
 from ipu_backend.runtime.multi_ipu_builder import SplitSettings, build
-from ipu_backend.runtime.optimizers import optimizer_rule
+from ipu_backend.runtime.optimizers import needs_running_mean, optimizer_rule
 from ipu_backend.runtime.outputs import host_inputs, inputs_to_device, output_to_host
 from ipu_backend.runtime.recording import SINGLE_IPU, NullRecorder, ProgramFacts, StageFacts
 from ipu_backend.runtime.stages import has_blocks
@@ -41,6 +42,10 @@ signature and optimizer structure never compile twice in a process."""
 _OUTPUT_MODES = {OutputMode.All: "all", OutputMode.Final: "final", OutputMode.Sum: "sum",
                  OutputMode.EveryN: "every_n"}
 
+NO_EXECUTABLE = "Model has not been compiled or has been destroyed."
+"""PopTorch's error for a query that needs a compiled model."""
+
+
 class _Compiled:
     """One compiled call and what the host needs to use it."""
 
@@ -53,6 +58,7 @@ class _Compiled:
         self.executable = None            # XLA executable, compiled ahead of the first call
         self.facts = None                 # what recorders are told of it, once compiled
         self.started = time.perf_counter()
+        self.seconds = None               # from capture to executable (compilationTime)
 
 
 def _signature(args: tuple) -> tuple:
@@ -151,14 +157,24 @@ def _forward_with_constants(program, args: tuple):
     return forward
 
 
-class PoplarExecutor:
+def _with_mean_strategy(options, optimizer):
+    """``options`` frozen, with ``MeanReductionStrategy.Running`` where PopTorch chooses it for
+    ``optimizer`` (float16 gradient accumulators); ``options`` must be an unfrozen copy."""
+    if optimizer is not None and needs_running_mean(optimizer):
+        options.Training.setMeanAccumulationAndReplicationReductionStrategy(MeanReductionStrategy.Running)
+    options._freeze()
+    return options
+
+
+class PoplarExecutor(perf_counters.ExecutionCounters):
     """What ``trainingModel``/``inferenceModel`` return: call it like the model."""
 
     def __init__(self, model: torch.nn.Module, options, training: bool, optimizer=None,
                  step_method: str | None = None, gradient_clipping=None, recorder=None):
         options._freeze()
-        self._options = options.clone()
-        self._options._freeze()
+        if training and optimizer is None:
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        self._options = _with_mean_strategy(options.clone(), optimizer if training else None)
         self._training = training
         if not self._options.broadcast_buffers:
             raise Error("Options.broadcastBuffers(False) (per-replica buffers) is not emulated: "
@@ -174,10 +190,9 @@ class PoplarExecutor:
         """The compiled Program that ran in the last call (its ``logs``, output shapes)."""
         self._gradient_clipping = gradient_clipping
         """A ``runtime.clipping.GradientClipping`` applied before each optimizer update, or None."""
-        if training and optimizer is None:
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         self._optimizer = optimizer
         self._store = weight_store(model)
+        self._store.executors.add(self)
         self._compiled: dict = {}
         self._last_signature = None
         self._opt_state = None
@@ -228,8 +243,10 @@ class PoplarExecutor:
         call_args = self._call_arguments(compiled, args, groups,
                                          place_inputs=compiled.executable is None or self._profiler.times_inputs)
         self._ensure_executable(compiled, call_args)
+        started = perf_counters.now()
         self._profiler.inputs_on_device(call_args)
         state, arrays, logs = compiled.executable(*call_args)
+        launched = perf_counters.now()
         self._profiler.computed(state, arrays, logs)
         if self._training:
             self._opt_state, self._scaler = state["opt"], state["scaler"]
@@ -240,8 +257,11 @@ class PoplarExecutor:
             self._opt_state = jax.device_put(self._opt_state, host_memory)
         self.last_program = compiled.program
         host_idle.run_queued()
+        jax.block_until_ready(arrays)
+        ready = perf_counters.now()
         self.last_logs = {name: output_to_host(value, compiled.log_dtypes[name]) for name, value in logs.items()}
         outputs = [output_to_host(a, d) for a, d in zip(arrays, compiled.output_dtypes)]
+        self._last_marks = perf_counters.CallMarks(len(args), started, launched, ready, perf_counters.now())
         self._profiler.finished(compiled.facts, call_args)
         return compiled.layout.join(outputs)
 
@@ -256,8 +276,47 @@ class PoplarExecutor:
     def isCompiled(self) -> bool:
         return any(c.executable is not None for c in self._compiled.values())
 
+    def __repr__(self) -> str:
+        """The model's ``repr``, with its ``BeginBlock`` annotations (PopTorch's ``module_repr``)."""
+        return module_repr(self._user_model)
+
     def copyWeightsToHost(self) -> None:
         self._store.sync_to_host()
+
+    def copyWeightsToHostIfNeeded(self) -> bool:  # noqa: N802
+        """Copy the device's weights into the module if they changed since the last copy;
+        whether they did."""
+        stale = self._store.host_stale
+        self._store.sync_to_host()
+        return stale
+
+    def copyNamedBuffersToDevice(self) -> None:  # noqa: N802
+        """Copy the buffers named by ``Options.updatableNamedBuffers`` from the module to the
+        device (the other weights stay as the device has them)."""
+        if not self.isCompiled():
+            raise Error(NO_EXECUTABLE)
+        names = self._options.updatable_named_buffers
+        if not names:
+            raise Error("No named buffers marked as updatable via updatableNamedBuffers option")
+        self._store.load_buffers_from_host(names)
+
+    @property
+    def rng_state(self) -> list[int]:
+        """The seed and state of the compiled model's random numbers, ``[seed, calls made]``:
+        assigning a saved value back makes the next calls draw the same random numbers again."""
+        if not self.isCompiled():
+            raise Error(NO_EXECUTABLE)
+        return [self._seed, self._calls_made]
+
+    @rng_state.setter
+    def rng_state(self, state: list[int]) -> None:
+        if not self.isCompiled():
+            raise Error(NO_EXECUTABLE)
+        if (not isinstance(state, (list, tuple)) or len(state) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in state)):
+            raise Error(f"rng_state must be [seed, calls made] as rng_state returns it, got {state!r}")
+        self._seed, self._calls_made = int(state[0]), int(state[1])
+        self._key = None
 
     def copyWeightsToDevice(self) -> None:
         self._store.load_from_host()
@@ -277,6 +336,15 @@ class PoplarExecutor:
         so this never recompiles unless the optimizer's kind or parameter groups change."""
         if not self._training:
             raise Error("setOptimizer is only available on a trainingModel")
+        strategy = self._options.Training.mean_reduction_strategy
+        if needs_running_mean(optimizer) and strategy != MeanReductionStrategy.Running:
+            if self.isCompiled():
+                raise ValueError("Invalid optimizer: the new optimizer would require changing "
+                                 "options.Training.meanAccumulationAndReplicationReductionStrategy to "
+                                 "poptorch.MeanReductionStrategy.Running but the executable is already "
+                                 "compiled.")
+            self._options = _with_mean_strategy(self._options.clone(), optimizer)
+            self._options_key = repr(sorted(self._options.toDict().items()))
         old = self._optimizer
         self._optimizer = optimizer
         compiled = next(iter(self._compiled.values()), None)
@@ -386,7 +454,9 @@ class PoplarExecutor:
         self._last_signature = signature
         schedule = self._schedule()
         micro = self._micro_batch(args, schedule)
+        started = time.perf_counter()
         compiled = self._build(micro, schedule)
+        compiled.started = started
         self._compiled[signature] = _PROGRAMS[self._user_model][signature] = compiled
         return compiled
 
@@ -458,6 +528,7 @@ class PoplarExecutor:
                                      optimizer_offloaded=self._offloads_optimizer_state(compiled))
             memory.check(usage, spec, check)
         compiled.executable = executable
+        compiled.seconds = time.perf_counter() - compiled.started
         compiled.facts = self._facts(compiled, usage, spec)
         self._profiler.compiled(compiled.facts, call_args)
         logger.info("compiled the %s program in %.2f s", "training" if self._training else "inference",
@@ -480,10 +551,12 @@ class PoplarExecutor:
         was_training = model.training
         model.train(self._training)
         self._store.sync_to_host()
+        compile_hooks.run(compile_hooks.PRE_COMPILE)
         try:
             program = compile_module(model, micro, method=self._step_method)
         finally:
             model.train(was_training)
+            compile_hooks.run(compile_hooks.POST_COMPILE)
         layout = OutputLayout()
         mesh = replica_mesh(schedule.replicas)
         forward = _forward_with_constants(program, micro)

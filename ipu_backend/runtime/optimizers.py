@@ -67,6 +67,13 @@ def _optimizer_wide(optimizer: torch.optim.Optimizer, name: str):
     return values[0]
 
 
+def needs_running_mean(optimizer: torch.optim.Optimizer) -> bool:
+    """PopTorch's choice of ``MeanReductionStrategy.Running`` for an optimizer: float16 gradient
+    accumulators (``accum_type``), except SGD's combined variant."""
+    return (_optimizer_wide(optimizer, "accum_type") == torch.float16
+            and not _optimizer_wide(optimizer, "use_combined_accum"))
+
+
 def _state_dtype(optimizer: torch.optim.Optimizer, name: str):
     dtype = _optimizer_wide(optimizer, name)
     if dtype not in _STATE_DTYPES:

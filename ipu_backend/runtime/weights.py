@@ -11,6 +11,7 @@ import jax
 import torch
 
 from ipu_backend.compiler import to_jax, to_torch
+from ipu_backend.errors import Error
 
 _STORES: "weakref.WeakKeyDictionary[torch.nn.Module, WeightStore]" = weakref.WeakKeyDictionary()
 
@@ -24,6 +25,7 @@ class WeightStore:
         self.buffers: dict | None = None
         self.host_stale = False        # the device has weights the module does not show yet
         self.on_host_sync = []         # callbacks run after weights reach the host (optimizer state)
+        self.executors = weakref.WeakSet()   # the executors using these weights (``module.destroy()``)
 
     def device_state(self) -> tuple[dict, dict]:
         """The weights for the next device call, read from the module when the device has none."""
@@ -36,6 +38,16 @@ class WeightStore:
         self.host_stale = False
         self.params = {n: to_jax(p) for n, p in torch.nn.Module.named_parameters(self.module)}
         self.buffers = {n: to_jax(b) for n, b in torch.nn.Module.named_buffers(self.module)}
+
+    def load_buffers_from_host(self, names) -> None:
+        """The module's current values of the buffers ``names`` become the device's
+        (``copyNamedBuffersToDevice``); the device keeps its other weights."""
+        self.device_state()
+        host = dict(torch.nn.Module.named_buffers(self.module))
+        unknown = [name for name in names if name not in host]
+        if unknown:
+            raise Error(f"updatableNamedBuffers names buffers the model does not have: {unknown}")
+        self.buffers = {**self.buffers, **{name: to_jax(host[name]) for name in names}}
 
     def update(self, params: dict, buffers: dict) -> None:
         """New weights computed on the device; the host copy is refreshed lazily."""
@@ -117,10 +129,30 @@ class _HostSyncing:
         return super().buffers(*args, **kwargs)
 
 
+def _destroy(self) -> None:
+    """Destroy every executor of this module (PopTorch's ``model.destroy()``)."""
+    store = _STORES.get(self)
+    for executor in list(store.executors if store is not None else ()):
+        executor.destroy()
+
+
+def _copy_weights_to_host_if_needed(self) -> bool:
+    """Copy the device's weights into the module if they changed; whether they did."""
+    store = _STORES.get(self)
+    stale = store is not None and store.host_stale
+    _sync(self)
+    return stale
+
+
+_MODEL_METHODS = {"destroy": _destroy, "copyWeightsToHostIfNeeded": _copy_weights_to_host_if_needed}
+"""What PopTorch adds to a wrapped model's class, added where the class has no such name."""
+
+
 def _make_host_syncing(module: torch.nn.Module) -> None:
     cls = type(module)
     if issubclass(cls, _HostSyncing):
         return
+    methods = {name: method for name, method in _MODEL_METHODS.items() if not hasattr(cls, name)}
     module.__class__ = type(cls.__name__, (_HostSyncing, cls),
                             {"_ipu_original_class": cls, "__qualname__": cls.__qualname__,
-                             "__module__": cls.__module__})
+                             "__module__": cls.__module__, **methods})

@@ -1,0 +1,138 @@
+"""PopTorch's executor queries and helpers: compilationTime, cycleCount and the performance
+counters (measured host times), rng_state (replays random numbers), copyNamedBuffersToDevice,
+copyWeightsToHostIfNeeded, destroy() on the wrapped model, repr/module_repr, compile hooks, and
+PopTorch's errors for each."""
+
+import datetime
+
+import pytest
+import torch
+
+import ipu_backend as poptorch
+
+
+class Noisy(torch.nn.Module):
+    """Dropout (random numbers) and a buffer added to the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 4)
+        self.register_buffer("offset", torch.zeros(4))
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(self.layer(x), 0.5, training=True) + self.offset
+
+
+def test_compilation_time_and_cycle_count_with_poptorch_errors():
+    x = torch.randn(4, 4)
+    plain = poptorch.inferenceModel(Noisy(), poptorch.Options().showCompilationProgressBar(False))
+    with pytest.raises(poptorch.Error, match="Please compile the model before obtaining compilation time."):
+        plain.compilationTime()
+    with pytest.raises(poptorch.Error, match="Cycle count logging is disabled. Please set option "
+                                             "logCycleCount to True to enable."):
+        plain.cycleCount()
+    plain(x)
+    with pytest.raises(poptorch.Error, match="Please set showCompilationProgressBar option to obtain "
+                                             "compilation time."):
+        plain.compilationTime()
+
+    opts = poptorch.Options().logCycleCount(True).deviceIterations(2).outputMode(poptorch.OutputMode.All)
+    timed = poptorch.inferenceModel(Noisy(), opts)
+    timed.compile(x)
+    assert timed.compilationTime() > datetime.timedelta(0)
+    with pytest.raises(poptorch.Error, match="Please run the model at least once before obtaining cycle count."):
+        timed.cycleCount()
+    timed(x)
+    assert timed.cycleCount() > 0
+    counters = timed.getPerfCounters()
+    assert [len(counters[k]) for k in ("input", "input_complete", "output", "output_complete")] == [1, 1, 1, 1]
+    assert len(counters["input"][0]) == len(counters["output"][0]) == 2          # one per device iteration
+    assert counters["input"][0][0] <= counters["input_complete"][0][0] <= counters["output"][0][0] \
+        <= counters["output"][0][1] <= counters["output_complete"][0][1]
+    low, high, mean = timed.getLatency()
+    assert 0 < low <= mean <= high
+    assert timed.getComputeLatency()[1] <= high and timed.getHostIpuLatency()[0] >= 0
+
+
+def test_rng_state_replays_random_numbers():
+    model = poptorch.inferenceModel(Noisy())
+    x = torch.ones(4, 4)
+    with pytest.raises(poptorch.Error, match="Model has not been compiled or has been destroyed."):
+        model.rng_state
+    model.compile(x)
+    state = model.rng_state
+    first, second = model(x), model(x)
+    assert not torch.equal(first, second)
+    model.rng_state = state
+    torch.testing.assert_close(model(x), first, rtol=0, atol=0)
+    torch.testing.assert_close(model(x), second, rtol=0, atol=0)
+
+
+def test_copy_named_buffers_to_device_updates_only_those_buffers():
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.layer = torch.nn.Linear(3, 3)
+    module.register_buffer("shift", torch.zeros(3))
+    module.register_buffer("scale", torch.ones(3))
+    module.forward = lambda x: module.layer(x) * module.scale + module.shift
+    x = torch.randn(2, 3)
+    model = poptorch.inferenceModel(module, poptorch.Options().updatableNamedBuffers(["shift"]))
+    with pytest.raises(poptorch.Error, match="Model has not been compiled or has been destroyed."):
+        model.copyNamedBuffersToDevice()
+    model(x)
+    with torch.no_grad():
+        module.shift.fill_(1.0)
+        module.scale.fill_(2.0)
+    model.copyNamedBuffersToDevice()
+    expected = module.layer(x) * 1.0 + 1.0          # the new shift; the device keeps its scale
+    torch.testing.assert_close(model(x), expected.detach(), rtol=1e-5, atol=1e-6)
+    unmarked = poptorch.inferenceModel(torch.nn.Linear(3, 3))
+    unmarked(x)
+    with pytest.raises(poptorch.Error, match="No named buffers marked as updatable via "
+                                             "updatableNamedBuffers option"):
+        unmarked.copyNamedBuffersToDevice()
+
+
+class Summed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.layer(x).sum()
+
+
+def test_the_wrapped_model_copies_weights_and_destroys_its_executors():
+    module = Summed()
+    model = poptorch.trainingModel(module, optimizer=torch.optim.SGD(module.parameters(), lr=0.5))
+    x = torch.ones(4, 2)
+    model.compile(x)
+    before = torch.nn.Module.__getattr__(module, "layer").weight.detach().clone()
+    model(x)                                   # one training step
+    assert module.copyWeightsToHostIfNeeded() is True
+    assert not torch.equal(module.layer.weight.detach(), before)
+    assert module.copyWeightsToHostIfNeeded() is False and model.copyWeightsToHostIfNeeded() is False
+    module.destroy()
+    assert type(module) is Summed
+    with pytest.raises(poptorch.Error, match="destroyed"):
+        model(x)
+
+
+def test_repr_shows_begin_blocks_and_compile_hooks_run():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    poptorch.BeginBlock(model[1], "second", ipu_id=1)
+    assert "(1): BeginBlock(user_id=second, ipu_id=1) ReLU()" in poptorch.module_repr(model)
+    assert "BeginBlock" not in repr(model)
+    calls = []
+    pre = poptorch.registerPreCompileHook(lambda: calls.append("pre"))
+    post = poptorch.registerPostCompileHook(lambda: calls.append("post"))
+    try:
+        executor = poptorch.inferenceModel(torch.nn.Linear(2, 2))
+        executor.compile(torch.ones(1, 2))
+    finally:
+        pre.remove()
+        post.remove()
+    assert calls == ["pre", "post"]
+    assert repr(executor) == repr(executor.model)
+    with pytest.raises(RuntimeError, match="Pre-compile hook must be callable"):
+        poptorch.registerPreCompileHook(3)
