@@ -5,8 +5,10 @@ from ipu_backend.runtime.devices import reserve_cpu_devices
 reserve_cpu_devices()
 
 from ipu_backend import optim  # noqa: E402
+from ipu_backend.async_accessor import AsynchronousDataAccessor  # noqa: E402
 from ipu_backend.compiler.custom_ops import identity_loss  # noqa: E402
 from ipu_backend.control_flow import cond, for_loop  # noqa: E402
+from ipu_backend.custom_args import ICustomArgParser, registerCustomArgParser  # noqa: E402
 from ipu_backend.data import DataLoader  # noqa: E402
 from ipu_backend.enums import (  # noqa: E402
     CommGroupType,
@@ -42,6 +44,8 @@ from ipu_backend.ops import (  # noqa: E402
 from ipu_backend.runtime.compile_hooks import registerPostCompileHook, registerPreCompileHook  # noqa: E402
 from ipu_backend.runtime.executor import PoplarExecutor  # noqa: E402
 from ipu_backend.runtime.module_repr import module_repr  # noqa: E402
+from ipu_backend.saving import load  # noqa: E402
+from ipu_backend.system import ipuHardwareIsAvailable, ipuHardwareVersion, setLogLevel  # noqa: E402
 
 __all__ = [
     "CommGroupType", "ConnectionType", "DataLoader", "DataLoaderMode", "Error",
@@ -52,6 +56,8 @@ __all__ = [
     "NameScope", "dynamic_slice", "dynamic_update", "ipu_print_tensor", "isRunningOnIpu", "nop",
     "serializedMatMul", "set_available_memory", "set_overlap_for_input", "set_overlap_for_output",
     "module_repr", "registerPostCompileHook", "registerPreCompileHook",
+    "ICustomArgParser", "registerCustomArgParser", "ipuHardwareIsAvailable", "ipuHardwareVersion",
+    "setLogLevel", "AsynchronousDataAccessor", "load",
 ]
 
 from ipu_backend.blocks import (  # noqa: E402

@@ -19,7 +19,7 @@ from ipu_backend.compiler.custom_ops import IDENTITY_LOSS
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, totals_of
 from ipu_backend.enums import MeanReductionStrategy, OutputMode, ReductionType
 from ipu_backend.errors import Error
-from ipu_backend.runtime import compilation_cache, compile_hooks, host_idle, memory, perf_counters
+from ipu_backend.runtime import compilation_cache, compile_hooks, host_idle, memory, perf_counters, serialization
 from ipu_backend.runtime.memory import single_ipu_usage
 from ipu_backend.runtime.devices import replica_mesh
 from ipu_backend.runtime.module_repr import module_repr
@@ -59,6 +59,7 @@ class _Compiled:
         self.facts = None                 # what recorders are told of it, once compiled
         self.started = time.perf_counter()
         self.seconds = None               # from capture to executable (compilationTime)
+        self.inputs = None                # the shapes and dtypes it was compiled for (save)
 
 
 def _signature(args: tuple) -> tuple:
@@ -276,6 +277,55 @@ class PoplarExecutor(perf_counters.ExecutionCounters):
     def isCompiled(self) -> bool:
         return any(c.executable is not None for c in self._compiled.values())
 
+    # --- compiled programs in files (runtime/serialization.py) ------------------------------------
+    def save(self, filename: str, export_model: bool = True, save_rng_state: bool = True) -> None:
+        """Save the compiled program (of the last call, or the last compiled) to ``filename``;
+        with ``export_model``, also the model and optimizer, for :func:`ipu_backend.load`."""
+        compiled = self._timed_program()
+        if compiled is None:
+            raise Error(NO_EXECUTABLE)
+        if compiled.multi_ipu:
+            raise Error("saving a model split over several IPUs is not supported yet: save a "
+                        "single-IPU model, or compile this one in each process")
+        filename = serialization.destination(filename)
+        self.copyWeightsToHost()
+        lowered = self._lowered(compiled, serialization.example_inputs(compiled.inputs))
+        data = {"training": self._training, "options": self._options, "inputs": compiled.inputs,
+                "executable": serialization.executable_bytes(compiled.executable),
+                "fingerprint": serialization.fingerprint(lowered), "model": None, "optimizer": None,
+                "optimizer_state": None, "rng_state": self.rng_state if save_rng_state else None}
+        if export_model:
+            data.update(model=self._user_model, optimizer=self._optimizer,
+                        optimizer_state=None if self._optimizer is None else self._optimizer.state_dict())
+        with serialization.own_class(self._user_model):
+            serialization.write(filename, data)
+
+    def compileAndExport(self, filename: str, *args, export_model: bool = True, **kwargs) -> None:  # noqa: N802
+        """``compile(*args, **kwargs)``, then ``save(filename, export_model)``."""
+        self.compile(*args, **kwargs)
+        self.save(filename, export_model)
+
+    def loadExecutable(self, filename: str) -> None:  # noqa: N802
+        """Use the program saved in ``filename`` (by ``save``/``compileAndExport`` of this
+        model, options and optimizer) instead of compiling it."""
+        data = serialization.read(filename)
+        if data["training"] != self._training:
+            kind = "training" if data["training"] else "inference"
+            raise Error(f"{filename} was saved from a poptorch.{kind}Model; load it into one")
+        args = serialization.example_inputs(data["inputs"])
+        self._profiler.started()
+        groups = self._param_groups()
+        compiled = self._compile(args, groups)
+        if compiled.multi_ipu:
+            raise Error(f"{filename} holds a single-IPU program, but this model is split over IPUs")
+        self._ensure_executable(compiled, self._call_arguments(compiled, args, groups, advance=False),
+                                lambda lowered: serialization.load_executable(
+                                    data, lowered, filename, list(self._mesh().devices.flat)))
+
+    def _lowered(self, compiled: _Compiled, args: tuple):
+        """The program of ``compiled`` lowered for the call arguments of ``args`` (as compiled)."""
+        return compiled.call.lower(*self._call_arguments(compiled, args, self._param_groups(), advance=False))
+
     def __repr__(self) -> str:
         """The model's ``repr``, with its ``BeginBlock`` annotations (PopTorch's ``module_repr``)."""
         return module_repr(self._user_model)
@@ -456,7 +506,7 @@ class PoplarExecutor(perf_counters.ExecutionCounters):
         micro = self._micro_batch(args, schedule)
         started = time.perf_counter()
         compiled = self._build(micro, schedule)
-        compiled.started = started
+        compiled.started, compiled.inputs = started, serialization.input_specs(args)
         self._compiled[signature] = _PROGRAMS[self._user_model][signature] = compiled
         return compiled
 
@@ -514,16 +564,17 @@ class PoplarExecutor(perf_counters.ExecutionCounters):
             self._hyper = cached = (rule, values, hyper)
         return cached[2]
 
-    def _ensure_executable(self, compiled: _Compiled, call_args: tuple) -> None:
-        """Lower and compile ahead of time, once, check the memory and say how long capture and
-        compilation took. A multi-IPU program was compiled and checked when it was built."""
+    def _ensure_executable(self, compiled: _Compiled, call_args: tuple, load=None) -> None:
+        """Lower and compile ahead of time, once (or ``load(lowered)`` a saved executable), check
+        the memory and say how long capture and compilation took. A multi-IPU program was
+        compiled and checked when it was built."""
         if compiled.executable is not None:
             return
         spec, check = memory.in_force(self._options)
         if compiled.multi_ipu:
             executable, usage = compiled.call, compiled.call.memory
         else:
-            executable = compile_lowered(compiled.call.lower(*call_args))
+            executable = (load or compile_lowered)(compiled.call.lower(*call_args))
             usage = single_ipu_usage(executable, call_args[0], self._schedule().replicas // self._mesh().size,
                                      optimizer_offloaded=self._offloads_optimizer_state(compiled))
             memory.check(usage, spec, check)

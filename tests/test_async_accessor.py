@@ -1,0 +1,52 @@
+"""AsynchronousDataAccessor: the iterable's items in order, epoch after epoch, rebatched, with
+PopTorch's errors; and the hardware queries of a machine without IPUs."""
+
+import pytest
+import torch
+
+import ipu_backend as poptorch
+
+
+def rows(n):
+    return torch.utils.data.TensorDataset(torch.arange(float(n)).reshape(n, 1))
+
+
+def test_items_in_order_for_every_epoch_and_after_early_preload():
+    accessor = poptorch.AsynchronousDataAccessor(rows(7), buffer_size=2, early_preload=True)
+    assert len(accessor) == 7
+    for _ in range(2):
+        assert [item[0].item() for item in accessor] == list(range(7))
+    accessor.terminate()
+
+
+def test_a_sync_data_loader_and_rebatching():
+    loader = poptorch.DataLoader(poptorch.Options().deviceIterations(2), rows(8), batch_size=2)
+    accessor = poptorch.AsynchronousDataAccessor(loader)
+    assert len(accessor) == 2
+    assert [b[0].flatten().tolist() for b in accessor] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    single = poptorch.DataLoader(poptorch.Options(), rows(10), batch_size=1)
+    rebatched = poptorch.AsynchronousDataAccessor(single, rebatched_size=4, load_indefinitely=False)
+    assert len(rebatched) == 2
+    assert [b[0].flatten().tolist() for b in rebatched] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_poptorch_errors():
+    loader = poptorch.DataLoader(poptorch.Options(), rows(4), batch_size=2, mode=poptorch.DataLoaderMode.Async)
+    with pytest.raises(poptorch.Error, match="The DataLoader already uses an AsynchronousDataAccessor"):
+        poptorch.AsynchronousDataAccessor(loader)
+    with pytest.raises(AssertionError, match="rebatched_size must be None or greater than 1"):
+        poptorch.AsynchronousDataAccessor(rows(4), rebatched_size=1)
+
+
+def test_no_ipu_hardware_and_log_levels():
+    assert poptorch.ipuHardwareIsAvailable() is False
+    with pytest.raises(AssertionError, match="No IPU hardware available on this system"):
+        poptorch.ipuHardwareVersion()
+    import logging
+    poptorch.setLogLevel("ERR")
+    assert logging.getLogger("ipu_backend").level == logging.ERROR
+    poptorch.setLogLevel(3)
+    assert logging.getLogger("ipu_backend").level == logging.WARNING
+    with pytest.raises(ValueError, match="Unknown log level: LOUD"):
+        poptorch.setLogLevel("LOUD")
+    logging.getLogger("ipu_backend").setLevel(logging.NOTSET)
