@@ -65,7 +65,10 @@ from ipu_backend.blocks import (  # noqa: E402
     BeginBlock,
     Block,
     BlockFunction,
+    ParallelPhasedExecution,
+    Phase,
     PipelinedExecution,
+    SerialPhasedExecution,
     ShardedExecution,
     Stage,
     recomputationCheckpoint,
@@ -77,4 +80,5 @@ from ipu_backend.runtime.memory import OutOfMemoryError  # noqa: E402
 __all__ += [
     "AutoStage", "BeginBlock", "Block", "BlockFunction", "IpuSpec", "OutOfMemoryError",
     "PipelinedExecution", "ShardedExecution", "Stage", "recomputationCheckpoint", "removeBlocks",
+    "ParallelPhasedExecution", "Phase", "SerialPhasedExecution",
 ]

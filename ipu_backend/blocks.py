@@ -24,6 +24,7 @@ import torch.fx.traceback as fx_traceback
 from jax.ad_checkpoint import checkpoint_name
 
 from ipu_backend.compiler.registry import lowering
+from ipu_backend.enums import Liveness
 from ipu_backend.errors import Error
 from ipu_backend.hardware import MEMORY_CHECKS, MK2, IpuSpec
 
@@ -283,6 +284,125 @@ class PipelinedExecution:
 
 class ShardedExecution(PipelinedExecution):
     """Run the stages one after the other, one micro-batch at a time (no pipelining)."""
+
+
+class Phase:
+    """One execution phase: stages that run at the same time, each on its IPU.
+    ``Phase(Stage("A").ipu(0), Stage("B").ipu(1))``, or ``Phase("A", "B")`` for one stage made
+    of blocks ``A`` and ``B``."""
+
+    def __init__(self, *args):
+        if args and all(isinstance(arg, Stage) for arg in args):
+            self.stages = list(args)
+        elif all(isinstance(arg, str) for arg in args):
+            self.stages = [Stage(*args)]
+        else:
+            raise Error("All arguments must either be block IDs (strings) or Stages: "
+                        f"{[type(arg) for arg in args]}")
+
+    def stage(self, idx: int) -> Stage:
+        return self.stages[idx]
+
+    def ipus(self, *ipus: int) -> "Phase":
+        """One IPU for each stage of the phase."""
+        if len(ipus) != len(self.stages):
+            raise Error(f"Phase contains {len(self.stages)} stages but you provided {len(ipus)} ipus")
+        for stage, ipu in zip(self.stages, ipus):
+            stage.ipu(ipu)
+        return self
+
+    def __repr__(self) -> str:
+        return f"Phase({', '.join(map(repr, self.stages))})"
+
+
+class _PhasedExecution(ShardedExecution):
+    """The blocks run phase after phase, each phase's stages on their IPUs (see the subclasses).
+
+    Emulated IPUs compute a phase's blocks one after the other in program order (the numbers of
+    running them side by side); the compile report shows what each phase holds on each IPU.
+    Each argument is a :class:`Phase`, a list of stages, a list of block ids (one stage) or a
+    single stage or block id.
+    """
+
+    def __init__(self, *phases, ipu_spec: IpuSpec = MK2, memory_check: str = "error"):
+        super().__init__(ipu_spec=ipu_spec, memory_check=memory_check)
+        if not phases:
+            raise Error("There is currently no AutoStage for PhasedExecution, please explicitly "
+                        "specify the phases")
+        self._phases: list[Phase] = []
+        self._phase_of_block: dict[str, tuple[int, int, Stage]] = {}
+        for phase_id, arg in enumerate(phases):
+            if not isinstance(arg, Phase):
+                arg = Phase(*(arg if isinstance(arg, (list, tuple)) else [arg]))
+            self._phases.append(arg)
+            for position, stage in enumerate(arg.stages):
+                for block in stage.blocks:
+                    if block in self._phase_of_block:
+                        raise Error(f"{block} associated with more than one stage")
+                    self._phase_of_block[block] = (phase_id, position, stage)
+        self._stages = tuple(stage for phase in self._phases for stage in phase.stages)
+        self._liveness = Liveness.AlwaysLive
+        self._separate_backward_phase = False
+
+    def phase(self, phase: int) -> Phase:
+        if isinstance(phase, bool) or not isinstance(phase, int) or phase < 0:
+            raise Error("Phases are identified by positive integers")
+        return self._phases[phase]
+
+    @property
+    def phases(self) -> tuple[Phase, ...]:
+        return tuple(self._phases)
+
+    def phase_of(self, block_id: str) -> tuple[int, int, Stage] | None:
+        """``(phase, position of its stage in the phase, stage)`` of a block, or None."""
+        return self._phase_of_block.get(block_id)
+
+    def default_ipu(self, phase: int, position: int) -> int:
+        """The IPU of a stage given none (by the stage or its blocks)."""
+        return position
+
+    def useSeparateBackwardPhase(self, use: bool = True) -> "_PhasedExecution":  # noqa: N802
+        """Give the backward pass phases of its own (PopTorch's phase numbering; the numbers
+        computed do not change)."""
+        if not isinstance(use, bool):
+            raise Error(f"useSeparateBackwardPhase expects a bool, got {use!r}")
+        self._separate_backward_phase = use
+        return self
+
+    @property
+    def tensors_liveness(self) -> Liveness:
+        return self._liveness
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(map(repr, self._phases))})"
+
+
+class ParallelPhasedExecution(_PhasedExecution):
+    """Phases alternate between two groups of IPUs: by default phase ``p``'s ``k``-th stage runs
+    on IPU ``2k + p % 2`` (phases 0, 2, ... on IPUs 0 and 2; phases 1, 3, ... on IPUs 1 and 3),
+    unless its stage or blocks name an IPU."""
+
+    def default_ipu(self, phase: int, position: int) -> int:
+        return 2 * position + phase % 2
+
+    def sendTensorsOffChipAfterFwd(self, off_chip: bool = True) -> "ParallelPhasedExecution":  # noqa: N802
+        """Keep tensors off chip after the forward pass (recorded; no effect on the numbers)."""
+        if not isinstance(off_chip, bool):
+            raise Error(f"sendTensorsOffChipAfterFwd expects a bool, got {off_chip!r}")
+        self._liveness = Liveness.OffChipAfterFwd if off_chip else Liveness.AlwaysLive
+        return self
+
+
+class SerialPhasedExecution(_PhasedExecution):
+    """Every phase runs on one group of IPUs, one phase after the other: by default a phase's
+    ``k``-th stage runs on IPU ``k``, unless its stage or blocks name an IPU."""
+
+    def setTensorsLiveness(self, liveness: Liveness) -> "SerialPhasedExecution":  # noqa: N802
+        """Where tensors live between phases (recorded; no effect on the numbers)."""
+        if not isinstance(liveness, Liveness):
+            raise Error(f"setTensorsLiveness expects a poptorch.Liveness, got {liveness!r}")
+        self._liveness = liveness
+        return self
 
 
 RECOMPUTATION_CHECKPOINT_NAME = "ipu_recomputation_checkpoint"

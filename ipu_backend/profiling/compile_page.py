@@ -58,6 +58,19 @@ def _top_ops(stage: dict, limit: int = 12) -> str:
     return f"<p><b>Stage {stage['stage']}</b> ATen operations: {aten or 'none'}</p>"
 
 
+def _phases(memory: list[dict]) -> str:
+    """What each phase of a phased strategy holds on each IPU (an IPU needs its largest phase)."""
+    rows = [[f"IPU {u['ipu']}", phase, ", ".join(map(str, held["stages"])),
+             *(size(held[k]) for k in ("weights", "optimizer", "accumulators", "stash")), size(held["total"])]
+            for u in memory for phase, held in sorted(u.get("phases", {}).items())]
+    if not rows:
+        return ""
+    return ("<h2>Residency per phase (one replica)</h2>"
+            + table(["IPU", "phase", "stages", "weights", "optimizer", "accumulators", "stash", "total"], rows)
+            + '<p class="note">A phase\'s tensors are on its IPUs while it runs; the bars above show '
+              "the largest phase of each IPU.</p>")
+
+
 def _hints(stages: list[dict]) -> str:
     """PopTorch's planning hints and name scopes: what was asked, where (none changes a number)."""
     rows = [[s["stage"], h["kind"], h["value"], h["op"], h["name_scope"], h["location"] or ""]
@@ -86,6 +99,7 @@ def render(name: str, report: dict, index: int) -> str:
     return (f"<h2>Program {index}</h2>{facts}"
             f"<h2>Memory per IPU (one replica)</h2>{memory_chart(report['memory'], spec['memory_bytes'])}"
             + table(["IPU", "stages", *MEMORY_KINDS, "on the host", "total", "of capacity"], memory_rows)
+            + _phases(report["memory"])
             + "<h2>Stages</h2>"
             + table(["stage", "IPU", "ATen ops", "program", "FLOPs", "bytes accessed", "HLO ops"],
                     _stage_rows(report["stages"]))

@@ -56,6 +56,7 @@ class IpuMemory:
     temporaries: int = 0
     offloaded: int = 0            # optimizer state kept in host memory (not counted in total)
     stages: list = field(default_factory=list)
+    phases: dict = field(default_factory=dict)   # phase -> what it holds (phased strategies)
 
     @property
     def total(self) -> int:
@@ -65,7 +66,8 @@ class IpuMemory:
         return {"ipu": self.ipu, "stages": list(self.stages), "weights": self.weights,
                 "optimizer": self.optimizer, "accumulators": self.accumulators,
                 "stash": self.stash, "temporaries": self.temporaries,
-                "offloaded_to_host": self.offloaded, "total": self.total}
+                "offloaded_to_host": self.offloaded, "total": self.total,
+                "phases": {p: dict(held) for p, held in self.phases.items()}}
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,11 @@ class StageMemory:
     stashed_micro_batches: int
     temporaries: int
     optimizer_offloaded: bool
+    phase: int | None = None
+
+
+_RESIDENT = ("weights", "optimizer", "accumulators", "stash")
+"""What a phased strategy keeps on an IPU only while the phase that uses it runs."""
 
 
 def tree_bytes(tree) -> int:
@@ -90,7 +97,12 @@ def tree_bytes(tree) -> int:
 
 
 def estimate(stages: Iterable[StageMemory]) -> list[IpuMemory]:
-    """Per-IPU usage: stages on one IPU add up, except temporaries (one program runs at a time)."""
+    """Per-IPU usage: stages on one IPU add up, except temporaries (one program runs at a time).
+    In a phased strategy a phase's tensors are on its IPUs only while it runs (loaded from and
+    written back to host memory between phases): an IPU needs what its largest phase holds."""
+    stages = list(stages)
+    if any(stage.phase is not None for stage in stages):
+        return _phased_estimate(stages)
     ipus: dict[int, IpuMemory] = {}
     for stage in stages:
         usage = ipus.setdefault(stage.ipu, IpuMemory(stage.ipu))
@@ -103,6 +115,31 @@ def estimate(stages: Iterable[StageMemory]) -> list[IpuMemory]:
             usage.offloaded += stage.optimizer
         else:
             usage.optimizer += stage.optimizer
+    return [ipus[i] for i in sorted(ipus)]
+
+
+def _phased_estimate(stages: list[StageMemory]) -> list[IpuMemory]:
+    per_phase: dict[tuple[int, int], IpuMemory] = {}
+    for stage in stages:
+        phase = 0 if stage.phase is None else stage.phase
+        per_phase.setdefault((stage.ipu, phase), IpuMemory(stage.ipu))
+        [held] = estimate([StageMemory(**{**stage.__dict__, "phase": None})])
+        usage = per_phase[stage.ipu, phase]
+        for kind in _RESIDENT + ("offloaded",):
+            setattr(usage, kind, getattr(usage, kind) + getattr(held, kind))
+        usage.temporaries = max(usage.temporaries, held.temporaries)
+        usage.stages.append(stage.stage)
+    ipus: dict[int, IpuMemory] = {}
+    for (ipu, phase), held in sorted(per_phase.items()):
+        usage = ipus.setdefault(ipu, IpuMemory(ipu))
+        usage.stages += held.stages
+        usage.phases[phase] = {"stages": list(held.stages), "total": held.total,
+                               **{kind: getattr(held, kind) for kind in _RESIDENT}}
+        peak = max(usage.phases.values(), key=lambda p: p["total"])
+        for kind in _RESIDENT:
+            setattr(usage, kind, peak[kind])
+        usage.temporaries = max(usage.temporaries, held.temporaries)
+        usage.offloaded += held.offloaded
     return [ipus[i] for i in sorted(ipus)]
 
 

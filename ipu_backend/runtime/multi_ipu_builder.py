@@ -162,7 +162,8 @@ def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, spl
             accumulators=tree_bytes(stage.zero_accumulator_avals()) if training else 0,
             stash_per_micro_batch=stage.stash_bytes(),
             stashed_micro_batches=stashed_micro_batches(stage.plan.index, len(stages), pipelined) if training else 0,
-            temporaries=max(temporaries.values(), default=0), optimizer_offloaded=settings.offload))
+            temporaries=max(temporaries.values(), default=0), optimizer_offloaded=settings.offload,
+            phase=stage.plan.phase))
     usage = memory.estimate(usage)
     memory.check(usage, split.ipu_spec, split.memory_check)
     # A step method's outputs are (result, logged values): the layout is the result's.

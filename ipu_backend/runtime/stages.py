@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch.export.graph_signature import InputKind
 
-from ipu_backend.blocks import BLOCK_KEY, AutoStage, PipelinedExecution
+from ipu_backend.blocks import BLOCK_KEY, AutoStage, PipelinedExecution, _PhasedExecution
 from ipu_backend.compiler import interpreter
 from ipu_backend.compiler.dtypes import to_jax
 from ipu_backend.compiler.sources import user_location
@@ -47,6 +47,7 @@ class StagePlan:
     received: tuple[str, ...]         # values of earlier stages it reads
     sent: tuple[str, ...]             # values later stages read
     outputs: tuple[int, ...]          # indices, among the model's array outputs, it produces
+    phase: int | None = None          # its execution phase (phased strategies)
 
     @property
     def owned(self) -> tuple[str, ...]:
@@ -86,7 +87,9 @@ class _StageAssigner:
                          for block in stage.blocks}
         self.auto_ids: dict[str, int] = {}
 
-    def __call__(self, block, node) -> tuple[int, int]:
+    def __call__(self, block, node) -> tuple:
+        if isinstance(self.strategy, _PhasedExecution):
+            return self._phased(block, node)
         if block is _IMPLICIT:
             return 0, 0
         user_id, ipu_id = block
@@ -105,6 +108,23 @@ class _StageAssigner:
             return ipu_id, ipu_id
         stage_id = self.auto_ids.setdefault(user_id, len(self.auto_ids) + 1)
         return stage_id, stage_id if ipu_id is None else ipu_id
+
+    def _phased(self, block, node) -> tuple[tuple[int, int], int]:
+        """A phased strategy: one stage per block, numbered ``(phase, order of the block's first
+        operation)``, so that the blocks of a phase (whose stages exchange values both ways) run
+        in program order, on the IPU of their stage."""
+        if block is _IMPLICIT:
+            return (0, -1), 0
+        user_id, ipu_id = block
+        found = self.strategy.phase_of(user_id)
+        if found is None:
+            raise Error(f"Unknown Block '{user_id}' list of expected Blocks: "
+                        f"{[b for stage in self.strategy.stages for b in stage.blocks]} "
+                        f"(the block is used at {_where(node)})")
+        phase, position, stage = found
+        order = self.auto_ids.setdefault(user_id, len(self.auto_ids))
+        ipu = stage.ipu_id if stage.ipu_id is not None else ipu_id
+        return (phase, order), self.strategy.default_ipu(phase, position) if ipu is None else ipu
 
 
 def _block_of(node: torch.fx.Node):
@@ -161,10 +181,11 @@ def sources_from_export(exported: torch.export.ExportedProgram, prefix: str = ""
     return sources
 
 
-def _assign_stages(nodes, strategy: PipelinedExecution) -> tuple[dict[str, int], list[int], int]:
-    """``(stage index of each call_function node, IPU of each stage, IPU switches)``. Stages are
-    numbered in the order of their stage ids; the switches, in program order from IPU 0, give
-    PopTorch's count of pipeline stages."""
+def _assign_stages(nodes, strategy: PipelinedExecution) -> tuple[dict[str, int], list[int], int, list]:
+    """``(stage index of each call_function node, IPU of each stage, IPU switches, phase of each
+    stage)``. Stages are numbered in the order of their stage ids; the switches, in program order
+    from IPU 0, give PopTorch's count of pipeline stages; phases are None but for phased
+    strategies."""
     assign = _StageAssigner(strategy)
     stage_id, ipu_of_stage = {}, {0: 0} if not any(n.op == "call_function" for n in nodes) else {}
     switches, last_ipu = 0, 0
@@ -180,7 +201,8 @@ def _assign_stages(nodes, strategy: PipelinedExecution) -> tuple[dict[str, int],
         stage_id[node.name] = sid
     order = {sid: index for index, sid in enumerate(sorted(ipu_of_stage))}
     return ({name: order[sid] for name, sid in stage_id.items()},
-            [ipu_of_stage[sid] for sid in sorted(ipu_of_stage)], switches)
+            [ipu_of_stage[sid] for sid in sorted(ipu_of_stage)], switches,
+            [sid[0] if isinstance(sid, tuple) else None for sid in sorted(ipu_of_stage)])
 
 
 def partition(graph_module: torch.fx.GraphModule, sources: Mapping[str, tuple], mutated: tuple[str, ...],
@@ -193,7 +215,7 @@ def partition(graph_module: torch.fx.GraphModule, sources: Mapping[str, tuple], 
     output = next(n for n in nodes if n.op == "output")
     output_leaves = tuple(output.args[0][len(mutated):])
 
-    producer, ipu_of_stage, switches = _assign_stages(nodes, strategy)
+    producer, ipu_of_stage, switches, phases = _assign_stages(nodes, strategy)
     num_stages = len(ipu_of_stage)
     last = num_stages - 1
 
@@ -269,7 +291,8 @@ def partition(graph_module: torch.fx.GraphModule, sources: Mapping[str, tuple], 
             params=tuple(owned[index]["params"]), borrowed=tuple(owned[index]["borrowed"]),
             buffers=tuple(owned[index]["buffers"]),
             mutated=tuple(owned[index]["mutated"]), inputs=tuple(sorted(owned[index]["inputs"])),
-            received=tuple(received[index]), sent=tuple(sent[index]), outputs=outputs))
+            received=tuple(received[index]), sent=tuple(sent[index]), outputs=outputs,
+            phase=phases[index]))
     ipus = {stage.ipu for stage in stages}
     return Partition(
         graph_module=graph_module, stages=tuple(stages), sources=sources,
