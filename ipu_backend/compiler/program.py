@@ -27,6 +27,8 @@ class Program:
     ``params``/``buffers`` map state_dict names to JAX arrays; ``inputs`` is the tuple of
     positional arguments (JAX arrays where torch had tensors); ``new_buffers`` holds every
     buffer, mutated ones updated. ``logged_fn`` also returns the ``self.log`` values by name.
+    When the program updates some of its inputs in place (``mutated_inputs``: their indices among
+    the flattened inputs), ``outputs`` is ``(outputs, new values of those inputs)``.
     """
 
     logged_fn: Callable
@@ -37,6 +39,18 @@ class Program:
     logs: tuple[capture.LogCall, ...]
     source_locations: dict
     graph_module: torch.fx.GraphModule
+    mutated_inputs: tuple[int, ...] = ()
+
+    @property
+    def num_mutations(self) -> int:
+        """How many of the graph's first outputs are new values of buffers and inputs."""
+        return len(self.mutated_buffers) + len(self.mutated_inputs)
+
+    def refuse_mutated_inputs(self, where: str) -> None:
+        """An error naming the inputs the model updates in place, where that is not emulated."""
+        if self.mutated_inputs:
+            raise Error(f"the model updates its input(s) {list(self.mutated_inputs)} in place, which "
+                        f"{where} cannot copy back to your tensors: return the new values instead")
 
     def fn(self, params, buffers, inputs, rng_key):
         outputs, new_buffers, _ = self.logged_fn(params, buffers, inputs, rng_key)
@@ -88,19 +102,24 @@ def _build(module, exported, prefix, logs) -> Program:
             inputs.append((spec.kind, None))
         else:
             raise Error(f"graph input {spec.arg.name} of kind {spec.kind.name} is not supported")
-    mutated = []
+    user_names = [spec.arg.name for spec in signature.input_specs if spec.kind == InputKind.USER_INPUT]
+    mutated, mutated_inputs, mutation_kinds = [], [], []
     for spec in signature.output_specs:
         if spec.kind == OutputKind.BUFFER_MUTATION:
             mutated.append(strip(spec.target))
+            mutation_kinds.append(OutputKind.BUFFER_MUTATION)
+        elif spec.kind == OutputKind.USER_INPUT_MUTATION:
+            mutated_inputs.append(user_names.index(spec.target))
+            mutation_kinds.append(OutputKind.USER_INPUT_MUTATION)
         elif spec.kind != OutputKind.USER_OUTPUT:
-            raise Error(f"the program updates {spec.target} in place ({spec.kind.name}); only "
-                        "buffers may be updated in place: return the new value instead")
+            raise Error(f"the program updates {spec.target} in place ({spec.kind.name}); only buffers "
+                        "and inputs may be updated in place: return the new value instead")
     param_names = {name for kind, name in inputs if kind == InputKind.PARAMETER}
     buffer_names = {name for kind, name in inputs if kind == InputKind.BUFFER}
     graph_module = exported.graph_module
     in_spec = exported.call_spec.in_spec
     out_spec = exported.call_spec.out_spec
-    n_mutated = len(mutated)
+    n_mutated = len(mutation_kinds)
     with_logs = bool(prefix)
     log_names = [call.name for call in logs if call.is_tensor]
 
@@ -121,12 +140,16 @@ def _build(module, exported, prefix, logs) -> Program:
                 graph_inputs.append(next(leaves))
         results = interpreter.run_graph(graph_module, graph_inputs, rng_key)
         new_buffers = dict(buffers)
-        new_buffers.update(zip(mutated, results[:n_mutated]))
+        new_buffers.update(zip(mutated, [value for value, kind in zip(results, mutation_kinds)
+                                         if kind == OutputKind.BUFFER_MUTATION]))
         outputs = torch_pytree.tree_unflatten(list(results[n_mutated:]), out_spec)
         logged = {}
         if with_logs:
             outputs, values = outputs
             logged = dict(zip(log_names, values))
+        if mutated_inputs:
+            outputs = (outputs, tuple(value for value, kind in zip(results, mutation_kinds)
+                                      if kind == OutputKind.USER_INPUT_MUTATION))
         return outputs, new_buffers, logged
 
     locations = {node.name: user_location(node.meta.get("stack_trace"))
@@ -140,4 +163,5 @@ def _build(module, exported, prefix, logs) -> Program:
         logs=logs,
         source_locations=locations,
         graph_module=graph_module,
+        mutated_inputs=tuple(mutated_inputs),
     )

@@ -93,7 +93,7 @@ def _param_group_values(optimizer) -> tuple:
 def _output_nodes(program):
     """The graph nodes (or constants) of the user outputs, flattened in pytree order."""
     output = next(n for n in program.graph_module.graph.nodes if n.op == "output")
-    return list(output.args[0][len(program.mutated_buffers):])
+    return list(output.args[0][program.num_mutations:])
 
 
 def _result_nodes(program) -> list:
@@ -142,6 +142,17 @@ def find_loss(program, step_method: bool = False) -> int:
                     "(for example `return output, loss`) or mark it with poptorch.identity_loss")
     raise Error(f"the model returns {len(scalars)} scalar outputs, so which one is the loss is "
                 "ambiguous: mark the loss with poptorch.identity_loss(loss, reduction='none')")
+
+
+def _copy_back_inputs(result, args: tuple, indices: tuple):
+    """The model's outputs, after writing the new values of the inputs it updated in place into
+    the caller's tensors (as PopTorch does)."""
+    outputs, new_values = result
+    leaves = torch_pytree.tree_leaves(args)
+    with torch.no_grad():
+        for index, value in zip(indices, new_values):
+            leaves[index].copy_(value)
+    return outputs
 
 
 def _forward_with_constants(program, args: tuple):
@@ -264,7 +275,10 @@ class PoplarExecutor(perf_counters.ExecutionCounters):
         outputs = [output_to_host(a, d) for a, d in zip(arrays, compiled.output_dtypes)]
         self._last_marks = perf_counters.CallMarks(len(args), started, launched, ready, perf_counters.now())
         self._profiler.finished(compiled.facts, call_args)
-        return compiled.layout.join(outputs)
+        result = compiled.layout.join(outputs)
+        if compiled.program.mutated_inputs:
+            result = _copy_back_inputs(result, args, compiled.program.mutated_inputs)
+        return result
 
     def compile(self, *args, **kwargs) -> None:
         """Compile for these inputs without running (PopTorch's ``compile``)."""
@@ -614,6 +628,13 @@ class PoplarExecutor(perf_counters.ExecutionCounters):
         nodes = [n for n in _output_nodes(program) if isinstance(n, torch.fx.Node)]
         results = _result_nodes(program)
         dtypes = [n.meta["val"].dtype for n in results]
+        if program.mutated_inputs:
+            if schedule.factor != 1:
+                program.refuse_mutated_inputs(
+                    "a call of several micro-batches (deviceIterations × replicationFactor × "
+                    "gradientAccumulation > 1)")
+            leaves = torch_pytree.tree_leaves(micro)
+            dtypes += [leaves[i].dtype for i in program.mutated_inputs]
         log_names = [call.name for call in program.logs if call.is_tensor]
         log_dtypes = {name: n.meta["val"].dtype for name, n in zip(log_names, nodes[len(results):])}
         totals = totals_of(program.logs)

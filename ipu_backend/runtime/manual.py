@@ -348,6 +348,7 @@ class ManualStepExecutor:
         params = dict(torch.nn.Module.named_parameters(self._model))
         versions = tuple({n: torch.zeros_like(params[n]) for n in events.groups[s.optimizer]} for s in steps)
         program = self._capture(micro, events, versions)
+        program.refuse_mutated_inputs("a manual-optimization step")
         names = {id(p): n for n, p in params.items()}
         rules = tuple(optimizer_rule(opt, names) for opt in self._optimizers)
         layout = OutputLayout()

@@ -117,6 +117,7 @@ def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, spl
     ``hyper``-parameters (for their shapes), the index of the loss among the array results and
     the gradient ``clipping`` (Lightning's) applied before each update, if any."""
     strategy = _strategy(split.strategy)
+    program.refuse_mutated_inputs("a model split over IPUs")
     prefix = "" if method is None else "module."
     sources = sources_from_program(program, prefix)
     graph_module = program.graph_module

@@ -1,0 +1,44 @@
+"""A model that updates its inputs in place: the caller's tensors get the new values, as in
+PopTorch (and torch eager); where that cannot be emulated, a clear error."""
+
+import copy
+
+import pytest
+import torch
+
+import ipu_backend as poptorch
+
+
+class Updating(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 3)
+
+    def forward(self, x, counter):
+        counter += 1
+        out = self.layer(x)
+        x.mul_(2)
+        return out, out.pow(2).mean()
+
+
+def test_inputs_updated_in_place_reach_the_caller_in_training_and_inference():
+    torch.manual_seed(0)
+    model = Updating()
+    reference = copy.deepcopy(model)
+    x, counter = torch.randn(2, 3), torch.zeros(1, dtype=torch.int32)
+    x_eager, counter_eager = x.clone(), counter.clone()
+    out, loss = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))(x, counter)
+    expected_out, expected_loss = reference(x_eager, counter_eager)
+    torch.testing.assert_close(loss, expected_loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x, x_eager)
+    torch.testing.assert_close(counter, counter_eager)
+    inference = poptorch.inferenceModel(Updating())
+    inference(x, counter)
+    torch.testing.assert_close(counter, torch.full((1,), 2, dtype=torch.int32))
+
+
+def test_several_micro_batches_per_call_refuse_input_updates():
+    model = poptorch.inferenceModel(Updating(), poptorch.Options().deviceIterations(2))
+    with pytest.raises(poptorch.Error, match=r"updates its input\(s\) \[0, 1\] in place, which a call of "
+                                             "several micro-batches"):
+        model(torch.randn(4, 3), torch.zeros(2, 1))
