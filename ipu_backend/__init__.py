@@ -6,6 +6,7 @@ reserve_cpu_devices()
 
 from ipu_backend import optim  # noqa: E402
 from ipu_backend.async_accessor import AsynchronousDataAccessor  # noqa: E402
+from ipu_backend.autocasting import autocast  # noqa: E402
 from ipu_backend.compiler.custom_ops import identity_loss  # noqa: E402
 from ipu_backend.control_flow import cond, for_loop  # noqa: E402
 from ipu_backend.custom_args import ICustomArgParser, registerCustomArgParser  # noqa: E402
@@ -57,7 +58,7 @@ __all__ = [
     "serializedMatMul", "set_available_memory", "set_overlap_for_input", "set_overlap_for_output",
     "module_repr", "registerPostCompileHook", "registerPreCompileHook",
     "ICustomArgParser", "registerCustomArgParser", "ipuHardwareIsAvailable", "ipuHardwareVersion",
-    "setLogLevel", "AsynchronousDataAccessor", "load",
+    "setLogLevel", "AsynchronousDataAccessor", "load", "autocast",
 ]
 
 from ipu_backend.blocks import (  # noqa: E402

@@ -173,3 +173,27 @@ def test_is_running_on_ipu_only_while_compiled():
     assert not poptorch.isRunningOnIpu()
     torch.testing.assert_close(Branchy()(x), x - 1)
     torch.testing.assert_close(poptorch.inferenceModel(Branchy())(x), x + 1)
+
+
+class Mixed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 4)
+
+    @poptorch.autocast()
+    def forward(self, x):
+        h = self.layer(x)
+        with poptorch.autocast(enabled=False):
+            kept = torch.mm(x, x.t())
+        return h, kept
+
+
+def test_autocast_computes_in_half_when_compiled_as_torch_autocast():
+    torch.manual_seed(0)
+    model, x = Mixed(), torch.randn(2, 4)
+    h, kept = poptorch.inferenceModel(model)(x)
+    with torch.autocast("cpu", dtype=torch.float16):
+        expected = model.layer(x)
+    assert h.dtype == torch.float16 and kept.dtype == torch.float32
+    torch.testing.assert_close(h, expected, rtol=0, atol=0)
+    assert model(x)[0].dtype == torch.float32          # a plain torch call: unchanged, as PopTorch
