@@ -311,8 +311,7 @@ class PoplarExecutor(perf_counters.ExecutionCounters):
         if export_model:
             data.update(model=self._user_model, optimizer=self._optimizer,
                         optimizer_state=None if self._optimizer is None else self._optimizer.state_dict())
-        with serialization.own_class(self._user_model):
-            serialization.write(filename, data)
+        serialization.write(filename, data)
 
     def compileAndExport(self, filename: str, *args, export_model: bool = True, **kwargs) -> None:  # noqa: N802
         """``compile(*args, **kwargs)``, then ``save(filename, export_model)``."""

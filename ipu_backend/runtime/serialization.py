@@ -10,7 +10,6 @@ executable instead of compiling it. Like PopTorch's files, these are pickles: lo
 trust.
 """
 
-import contextlib
 import hashlib
 import os
 import pickle
@@ -65,20 +64,6 @@ def load_executable(data: dict, lowered, filename: str, devices: list):
                     "Compile the model again (or export it again)")
     return serialize_executable.deserialize_and_load(data["executable"], lowered.in_tree, lowered.out_tree,
                                                      execution_devices=devices)
-
-
-@contextlib.contextmanager
-def own_class(module: torch.nn.Module):
-    """``module`` with its own class while it is pickled (executors swap in a subclass that
-    exists only in this process)."""
-    swapped = type(module)
-    original = getattr(swapped, "_ipu_original_class", None)
-    if original is not None:
-        module.__class__ = original
-    try:
-        yield
-    finally:
-        module.__class__ = swapped
 
 
 def destination(filename: str) -> str:

@@ -128,6 +128,13 @@ class _HostSyncing:
         _sync(self)
         return super().buffers(*args, **kwargs)
 
+    def __reduce_ex__(self, protocol):
+        """Pickled and copied (``torch.save``, ``copy.deepcopy``) as the user's own class, with
+        the device's weights: the subclass exists only in this process."""
+        _sync(self)
+        _, args, *rest = super().__reduce_ex__(protocol)
+        return (_new_instance, (self._ipu_original_class, *args[1:]), *rest)
+
 
 def _destroy(self) -> None:
     """Destroy every executor of this module (PopTorch's ``model.destroy()``)."""
@@ -146,6 +153,11 @@ def _copy_weights_to_host_if_needed(self) -> bool:
 
 _MODEL_METHODS = {"destroy": _destroy, "copyWeightsToHostIfNeeded": _copy_weights_to_host_if_needed}
 """What PopTorch adds to a wrapped model's class, added where the class has no such name."""
+
+
+def _new_instance(cls, *args):
+    """Unpickling a module pickled by ``_HostSyncing.__reduce_ex__``: a bare instance of ``cls``."""
+    return cls.__new__(cls, *args)
 
 
 def _make_host_syncing(module: torch.nn.Module) -> None:

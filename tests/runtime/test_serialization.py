@@ -93,3 +93,15 @@ def test_load_executable_checks_the_program_and_poptorch_errors(tmp_path):
     (tmp_path / "junk").write_bytes(b"not a program")
     with pytest.raises(poptorch.Error, match="Invalid file"):
         poptorch.load(str(tmp_path / "junk"))
+
+
+def test_a_wrapped_model_pickles_as_its_own_class_with_the_device_weights(tmp_path):
+    model = Regression()
+    executor = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5))
+    executor(torch.ones(2, 3), torch.zeros(2, 1))
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    restored = torch.load(path, weights_only=False)
+    assert type(restored) is Regression and type(copy.deepcopy(model)) is Regression
+    for p, q in zip(restored.parameters(), model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
