@@ -27,10 +27,11 @@ from ipu_backend.enums import (  # noqa: E402
     SyncPattern,
     VariableRetrievalMode,
 )
-from ipu_backend.errors import Error  # noqa: E402
+from ipu_backend.errors import Error, RecoverableError, UnrecoverableError  # noqa: E402
 from ipu_backend.models import inferenceModel, trainingModel  # noqa: E402
 from ipu_backend.options import Options, TensorLocationSettings  # noqa: E402
 from ipu_backend.ops import (  # noqa: E402
+    MultiConv,
     NameScope,
     dynamic_slice,
     dynamic_update,
@@ -54,11 +55,12 @@ __all__ = [
     "MultiConvPlanType", "Options", "OutputMode", "OverlapMode", "PoplarExecutor", "ReductionType",
     "SharingStrategy", "SyncPattern", "TensorLocationSettings", "VariableRetrievalMode",
     "cond", "for_loop", "identity_loss", "inferenceModel", "optim", "trainingModel",
-    "NameScope", "dynamic_slice", "dynamic_update", "ipu_print_tensor", "isRunningOnIpu", "nop",
+    "MultiConv", "NameScope", "dynamic_slice", "dynamic_update", "ipu_print_tensor", "isRunningOnIpu", "nop",
     "serializedMatMul", "set_available_memory", "set_overlap_for_input", "set_overlap_for_output",
     "module_repr", "registerPostCompileHook", "registerPreCompileHook",
     "ICustomArgParser", "registerCustomArgParser", "ipuHardwareIsAvailable", "ipuHardwareVersion",
-    "setLogLevel", "AsynchronousDataAccessor", "load", "autocast",
+    "setLogLevel", "AsynchronousDataAccessor", "load", "autocast", "RecoverableError",
+    "UnrecoverableError",
 ]
 
 from ipu_backend.blocks import (  # noqa: E402

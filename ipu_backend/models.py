@@ -9,13 +9,19 @@ from ipu_backend.runtime.executor import PoplarExecutor
 
 def trainingModel(model: torch.nn.Module, options=None, optimizer=None) -> PoplarExecutor:  # noqa: N802
     """A training executor: each call runs ``deviceIterations`` optimizer steps (SGD lr=0.01 when
-    no optimizer is given, as PopTorch) and returns the outputs per ``Options.outputMode``."""
+    no optimizer is given, as PopTorch) and returns the outputs per ``Options.outputMode``.
+    ``model`` may be another executor: its model is wrapped."""
+    if isinstance(model, PoplarExecutor):
+        model = model.model
     options = options if options is not None else Options()
     return PoplarExecutor(model, options, training=True, optimizer=optimizer,
                           recorder=recorder_for(options, True, None))
 
 
 def inferenceModel(model: torch.nn.Module, options=None) -> PoplarExecutor:  # noqa: N802
-    """An inference executor sharing the module's device weights with any training executor."""
+    """An inference executor sharing the module's device weights with any training executor.
+    ``model`` may be another executor: its model is wrapped."""
+    if isinstance(model, PoplarExecutor):
+        model = model.model
     options = options if options is not None else Options()
     return PoplarExecutor(model, options, training=False, recorder=recorder_for(options, False, None))

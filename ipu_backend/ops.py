@@ -12,7 +12,7 @@ import torch.utils._pytree as torch_pytree
 from ipu_backend.compiler import dynamic_slicing, hints
 from ipu_backend.compiler.capture import capturing
 from ipu_backend.compiler.tensor_print import FLOAT_FORMATS, print_tensor
-from ipu_backend.enums import MatMulSerializationMode, OverlapMode
+from ipu_backend.enums import MatMulSerializationMode, MultiConvPlanType, OverlapMode
 from ipu_backend.errors import Error
 
 
@@ -199,3 +199,72 @@ class NameScope:
 
     def __exit__(self, *exc_info) -> None:
         hints.set_name_scope(self._outer)
+
+
+class MultiConv:
+    """Plan the convolutions recorded in this region together (``with poptorch.MultiConv():``),
+    with PopTorch's per-convolution settings. Emulated IPUs compute each convolution as it is;
+    the compile report lists each region, its settings and its convolutions."""
+
+    _PARTIALS = {torch.float32: "float", torch.float16: "half"}
+
+    def __init__(self):
+        self._settings: dict = {}
+        self._outer = None
+
+    @staticmethod
+    def _per_conv(name: str, value, kind: type):
+        if value is None or isinstance(value, kind):
+            return value if value is None else (value,)
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, kind) for v in value):
+            return tuple(value)
+        raise AssertionError(f"Invalid {name}!")
+
+    def _set(self, name: str, value) -> "MultiConv":
+        self._settings[name] = value
+        return self
+
+    def availableMemoryProportions(self, value) -> "MultiConv":  # noqa: N802
+        """The proportion of memory each convolution may use for temporaries (one for all, or
+        one per convolution)."""
+        return self._set("available_memory_proportions",
+                         self._per_conv("available memory proportion", value, float))
+
+    def partialsTypes(self, value) -> "MultiConv":  # noqa: N802
+        """The partials type of each convolution: ``torch.float`` or ``torch.half``."""
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if not all(v in self._PARTIALS for v in values):
+            raise ValueError("Invalid partials types. Expecting torch.float or torch.half")
+        return self._set("partials_types", tuple(self._PARTIALS[v] for v in values))
+
+    def enableConvDithering(self, value) -> "MultiConv":  # noqa: N802
+        """Dithering for each convolution (one bool for all, or one per convolution)."""
+        if value is not None and not isinstance(value, bool) and not (
+                isinstance(value, (list, tuple)) and all(isinstance(v, bool) for v in value)):
+            raise ValueError("value must be bool or list of bools")
+        return self._set("conv_dithering", value if not isinstance(value, bool) else (value,))
+
+    def planType(self, value: MultiConvPlanType) -> "MultiConv":  # noqa: N802
+        """How the convolutions are planned together (``poptorch.MultiConvPlanType``)."""
+        if value is not None and not isinstance(value, MultiConvPlanType):
+            raise AssertionError("Invalid plan type!")
+        return self._set("plan_type", None if value is None else value.name)
+
+    def perConvReservedTiles(self, value: int) -> "MultiConv":  # noqa: N802
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise AssertionError(f"perConvReservedTiles expects an int, got {value!r}")
+        return self._set("per_conv_reserved_tiles", value)
+
+    def cycleBackOff(self, value: float) -> "MultiConv":  # noqa: N802
+        if not isinstance(value, float):
+            raise AssertionError(f"cycleBackOff expects a float, got {value!r}")
+        return self._set("cycle_back_off", value)
+
+    def __enter__(self) -> "MultiConv":
+        if hints.current_multi_conv() is not None:
+            raise Error("Nested poptorch.MultiConv is not supported")
+        hints.set_multi_conv((id(self), tuple(sorted(self._settings.items()))))
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        hints.set_multi_conv(None)

@@ -1,5 +1,6 @@
 """AsynchronousDataAccessor: the iterable's items in order, epoch after epoch, rebatched, with
-PopTorch's errors; and the hardware queries of a machine without IPUs."""
+PopTorch's errors; the hardware queries of a machine without IPUs, log levels, profiling channels
+and PopTorch's error classes."""
 
 import pytest
 import torch
@@ -50,3 +51,13 @@ def test_no_ipu_hardware_and_log_levels():
     with pytest.raises(ValueError, match="Unknown log level: LOUD"):
         poptorch.setLogLevel("LOUD")
     logging.getLogger("ipu_backend").setLevel(logging.NOTSET)
+
+
+def test_profiling_channels_are_inert_and_error_classes_exist():
+    channel = poptorch.profiling.Channel("app")
+    with channel.tracepoint("step"):
+        value = 3
+    obj = object()
+    assert channel.instrument(obj, "method") is obj and value == 3
+    assert issubclass(poptorch.RecoverableError, poptorch.Error)
+    assert issubclass(poptorch.UnrecoverableError, poptorch.Error)

@@ -197,3 +197,53 @@ def test_autocast_computes_in_half_when_compiled_as_torch_autocast():
     assert h.dtype == torch.float16 and kept.dtype == torch.float32
     torch.testing.assert_close(h, expected, rtol=0, atol=0)
     assert model(x)[0].dtype == torch.float32          # a plain torch call: unchanged, as PopTorch
+
+
+class TwoConvs(torch.nn.Module):
+    def __init__(self, multi_conv):
+        super().__init__()
+        self.a, self.b = torch.nn.Conv2d(1, 2, 3), torch.nn.Conv2d(1, 2, 3)
+        self.multi_conv = multi_conv
+
+    def forward(self, x):
+        with self.multi_conv:
+            u, v = self.a(x), self.b(x.abs())
+        return u - v
+
+
+def test_multi_conv_computes_as_torch_and_is_reported(tmp_path):
+    torch.manual_seed(0)
+    region = (poptorch.MultiConv().availableMemoryProportions((0.8, 0.7)).partialsTypes(torch.float)
+              .planType(poptorch.MultiConvPlanType.Parallel))
+    model, x = TwoConvs(region), torch.randn(1, 1, 6, 6)
+    executor = poptorch.inferenceModel(model, poptorch.Options().enableProfiling(str(tmp_path)))
+    torch.testing.assert_close(executor(x), model(x).detach(), rtol=RTOL, atol=ATOL)
+    executor.destroy()
+    with open(os.path.join(tmp_path, "inference", "compile_report.json"), encoding="utf-8") as file:
+        [group] = json.load(file)["programs"][0]["stages"][0]["multi_convs"]
+    assert group == {"convolutions": 2, "settings": {"available_memory_proportions": [0.8, 0.7],
+                                                     "partials_types": ["float"], "plan_type": "Parallel"}}
+
+
+class Nested(torch.nn.Module):
+    def forward(self, x):
+        with poptorch.MultiConv():
+            with poptorch.MultiConv():
+                return x * 2
+
+
+class Empty(torch.nn.Module):
+    def forward(self, x):
+        with poptorch.MultiConv():
+            return x * 2
+
+
+def test_multi_conv_errors_are_poptorch_s():
+    with pytest.raises(poptorch.Error, match="Nested poptorch.MultiConv is not supported"):
+        poptorch.inferenceModel(Nested())(torch.ones(2))
+    with pytest.raises(poptorch.Error, match="Unexpected end_multi_conv"):
+        poptorch.inferenceModel(Empty())(torch.ones(2))
+    with pytest.raises(ValueError, match="Invalid partials types"):
+        poptorch.MultiConv().partialsTypes("half")
+    with pytest.raises(AssertionError, match="Invalid plan type"):
+        poptorch.MultiConv().planType("parallel")

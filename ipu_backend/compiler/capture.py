@@ -12,7 +12,7 @@ from torch._export import utils as _export_utils
 from torch.export import exported_program as _exported_program
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from ipu_backend.compiler import loops, metric_states
+from ipu_backend.compiler import hints, loops, metric_states
 from ipu_backend.compiler.sources import traceback_location
 from ipu_backend.errors import Error
 
@@ -140,6 +140,7 @@ def export(module: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram
             "branch (it lowers to lax.cond).") from error
     exported = decompose_to_core_aten(exported)
     loops.outline_loops(exported.graph_module)
+    hints.check_multi_convs(exported.graph_module)
     return exported
 
 

@@ -14,9 +14,14 @@ import torch.fx
 import torch.fx.traceback as fx_traceback
 
 from ipu_backend.compiler.sources import user_location
+from ipu_backend.errors import Error
 
 NAME_SCOPE_KEY = "ipu_name_scope"
 """``node.meta["custom"][NAME_SCOPE_KEY]``: the ``/``-joined ``NameScope`` names around the node."""
+MULTI_CONV_KEY = "ipu_multi_conv"
+"""``node.meta["custom"][MULTI_CONV_KEY]``: ``(group number, settings)`` of the ``MultiConv``
+region the node was recorded in."""
+_CONVOLUTIONS = (torch.ops.aten.convolution.default,)
 
 
 @torch.library.custom_op("ipu_backend::hint", mutates_args=())
@@ -47,11 +52,49 @@ def current_name_scope() -> str:
     return fx_traceback.current_meta.get("custom", {}).get(NAME_SCOPE_KEY) or ""
 
 
-def set_name_scope(scope: str) -> None:
-    """Tag the nodes recorded from now on with ``scope`` (only while a capture keeps node meta)."""
+def _annotate(key: str, value) -> None:
+    """Tag the nodes recorded from now on (only while a capture keeps node meta)."""
     if fx_traceback.has_preserved_node_meta():
         custom = fx_traceback.current_meta.get("custom", {})
-        fx_traceback.current_meta["custom"] = {**custom, NAME_SCOPE_KEY: scope}
+        fx_traceback.current_meta["custom"] = {**custom, key: value}
+
+
+def set_name_scope(scope: str) -> None:
+    """Tag the nodes recorded from now on with ``scope``."""
+    _annotate(NAME_SCOPE_KEY, scope)
+
+
+def current_multi_conv():
+    """``(group, settings)`` of the ``MultiConv`` region being recorded, or None."""
+    return fx_traceback.current_meta.get("custom", {}).get(MULTI_CONV_KEY)
+
+
+def set_multi_conv(region) -> None:
+    """Tag the nodes recorded from now on as part of the ``MultiConv`` region (None: none)."""
+    _annotate(MULTI_CONV_KEY, region)
+
+
+def _multi_conv_of(node: torch.fx.Node):
+    return node.meta.get("custom", {}).get(MULTI_CONV_KEY)
+
+
+def multi_convs_of(nodes) -> list[dict]:
+    """The ``MultiConv`` regions among graph ``nodes``: their settings and convolutions."""
+    groups: dict = {}
+    for node in nodes:
+        region = _multi_conv_of(node) if node.op == "call_function" else None
+        if region is not None:
+            group = groups.setdefault(region[0], {"settings": dict(region[1]), "convolutions": 0})
+            group["convolutions"] += node.target in _CONVOLUTIONS
+    return [groups[g] for g in sorted(groups)]
+
+
+def check_multi_convs(graph_module: torch.fx.GraphModule) -> None:
+    """PopTorch's error for a ``MultiConv`` region without a convolution."""
+    empty = [g for g in multi_convs_of(graph_module.graph.nodes) if not g["convolutions"]]
+    if empty:
+        raise Error("Unexpected end_multi_conv: a poptorch.MultiConv region holds no convolution; "
+                    "put the convolutions it should plan together inside it, or remove it")
 
 
 def _producer(node: torch.fx.Node) -> str:

@@ -75,6 +75,9 @@ def _hints(stages: list[dict]) -> str:
     """PopTorch's planning hints and name scopes: what was asked, where (none changes a number)."""
     rows = [[s["stage"], h["kind"], h["value"], h["op"], h["name_scope"], h["location"] or ""]
             for s in stages for h in s.get("hints", ())]
+    rows += [[s["stage"], "MultiConv", ", ".join(f"{k}={v}" for k, v in group["settings"].items()),
+              f"{group['convolutions']} convolution(s)", "", ""]
+             for s in stages for group in s.get("multi_convs", ())]
     scopes = ", ".join(f"{escape(scope)} × {n}" for s in stages for scope, n in s.get("name_scopes", {}).items())
     return ((("<h2>Hints</h2>" + table(["stage", "hint", "value", "on", "name scope", "source"], rows)
               + '<p class="note">Poplar planning hints are recorded; emulated IPUs compute the same '

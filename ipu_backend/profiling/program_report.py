@@ -3,7 +3,7 @@ the IPU's capacity, and per stage its FLOPs and operation counts."""
 
 import math
 
-from ipu_backend.compiler.hints import hints_of, name_scope_counts
+from ipu_backend.compiler.hints import hints_of, multi_convs_of, name_scope_counts
 from ipu_backend.profiling.costs import aten_op_counts, hlo_op_counts, xla_costs
 from ipu_backend.runtime.recording import PIPELINED, ProgramFacts, StageFacts
 
@@ -21,7 +21,8 @@ def _stage(stage: StageFacts) -> dict:
     costs = {name: _program_costs(executable) for name, executable in stage.programs.items()}
     return {"stage": stage.index, "ipu": stage.ipu, "aten_ops": sum(aten.values()), "aten_op_counts": aten,
             "flops": sum(c["flops"] for c in costs.values()), "programs": costs,
-            "hints": hints_of(stage.nodes), "name_scopes": name_scope_counts(stage.nodes)}
+            "hints": hints_of(stage.nodes), "name_scopes": name_scope_counts(stage.nodes),
+            "multi_convs": multi_convs_of(stage.nodes)}
 
 
 def _schedule(program: ProgramFacts) -> dict:
