@@ -26,6 +26,8 @@ class IpuSpec:
 
 
 MK2 = IpuSpec()
+MK2_CLOCK_HZ = 1.33e9
+"""The clock of a Mk2 (GC200) IPU: ``cycleCount`` converts measured compute time with it."""
 MEMORY_CHECKS = ("error", "warn", "off")
 """What compiling a model too large for its IPUs does: raise, warn, or nothing."""
 DEFAULT_CHECK = "error"

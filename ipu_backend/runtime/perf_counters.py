@@ -13,9 +13,7 @@ import time
 from dataclasses import dataclass
 
 from ipu_backend.errors import Error
-
-MK2_CLOCK_HZ = 1.33e9
-"""The clock of a Mk2 (GC200) IPU: ``cycleCount`` converts measured compute time with it."""
+from ipu_backend.hardware import MK2_CLOCK_HZ
 
 
 @dataclass(frozen=True)
