@@ -63,3 +63,26 @@ def test_parsers_must_implement_the_interface_and_can_be_removed(registered):
         poptorch.registerCustomArgParser(Pair, object())
     poptorch.registerCustomArgParser(Pair, None)
     assert len(torch.utils._pytree.tree_leaves(Pair(torch.ones(1), torch.ones(1)))) == 1   # a leaf again
+
+
+class Record(dict):
+    """A dict subclass: PopTorch takes it as a container without a parser."""
+
+
+class Items(list):
+    pass
+
+
+class Containers(torch.nn.Module):
+    def forward(self, record):
+        return Items([Record(total=record["a"] + record["b"]), record["a"] * 2])
+
+
+def test_dict_and_list_subclasses_are_containers_in_and_out():
+    model = poptorch.inferenceModel(Containers())
+    record = Record(a=torch.randn(2, 2), b=torch.randn(2, 2))
+    out = model(record)
+    expected = Containers()(record)
+    assert type(out) is Items and type(out[0]) is Record
+    torch.testing.assert_close(out[0]["total"], expected[0]["total"])
+    torch.testing.assert_close(out[1], expected[1])

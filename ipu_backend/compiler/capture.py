@@ -12,7 +12,7 @@ from torch._export import utils as _export_utils
 from torch.export import exported_program as _exported_program
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from ipu_backend.compiler import hints, loops, metric_states
+from ipu_backend.compiler import containers, hints, loops, metric_states
 from ipu_backend.compiler.sources import traceback_location
 from ipu_backend.errors import Error
 
@@ -127,6 +127,9 @@ def _capture_scope():
 def export(module: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram:
     """torch.export (non-strict) decomposed to core ATen, ``poptorch.for_loop`` bodies outlined,
     with errors a user can act on."""
+    containers.register(args)
+    # The module's results may hold container subclasses too: registered as it returns them.
+    hook = module.register_forward_hook(lambda _, __, result: containers.register(result))
     try:
         # preserve_node_meta keeps torch.fx.traceback.annotate(...) tags (pipeline blocks) on nodes.
         with torch.fx.traceback.preserve_node_meta(), _capture_scope():
@@ -138,6 +141,8 @@ def export(module: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram
             "traced once, so Python control flow cannot depend on tensor data. Use torch.where "
             "for element-wise choices, or torch.cond(pred, true_fn, false_fn, operands) to "
             "branch (it lowers to lax.cond).") from error
+    finally:
+        hook.remove()
     exported = decompose_to_core_aten(exported)
     loops.outline_loops(exported.graph_module)
     hints.check_multi_convs(exported.graph_module)

@@ -14,7 +14,7 @@ import torch.utils._pytree as torch_pytree
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ipu_backend.compiler import compile_module
+from ipu_backend.compiler import compile_module, containers
 from ipu_backend.compiler.custom_ops import IDENTITY_LOSS
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, totals_of
 from ipu_backend.enums import MeanReductionStrategy, OutputMode, ReductionType
@@ -67,6 +67,7 @@ def _signature(args: tuple) -> tuple:
     flat tuple of tensors, the usual call, is told apart without building a pytree spec."""
     if all(type(x) is torch.Tensor for x in args):
         return tuple((x.shape, x.dtype) for x in args)
+    containers.register(args)
     leaves, spec = torch_pytree.tree_flatten(args)
     return (spec,) + tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("const", x)
                            for x in leaves)
