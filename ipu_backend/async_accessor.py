@@ -16,9 +16,10 @@ from ipu_backend.errors import Error
 class AsynchronousDataAccessor:
     """Items of ``dataset`` (any iterable), fetched ahead on a background thread.
 
-    ``load_indefinitely``: once an epoch ends, the next one starts loading at once.
-    ``early_preload``: loading starts when the accessor is made rather than at its first
-    ``iter()``. ``rebatched_size``: items are cut into batches of that many samples (the
+    As in PopTorch, the first item is fetched when the accessor is made, so that a dataset that
+    fails does so there. ``load_indefinitely``: once an epoch ends, the next one starts loading
+    at once. ``early_preload``: the buffer fills when the accessor is made rather than at its
+    first ``iter()``. ``rebatched_size``: items are cut into batches of that many samples (the
     iterable's items batched by 1; the incomplete last batch is dropped).
     """
 
@@ -45,17 +46,25 @@ class AsynchronousDataAccessor:
         self.rebatched_size = rebatched_size
         self._terminated = False
         self._fresh = False                # the current iterator has handed out nothing yet
-        if early_preload:
-            self._restart()
+        self._first = None                 # the item fetched to check the dataset, not handed out yet
+        self._restart(depth=buffer_size if early_preload else 1)
+        try:
+            self._first = (next(self._iterator),)
+        except StopIteration:
+            self._iterator = None
+        except Exception as error:          # whatever the dataset raised, reported as PopTorch does
+            self.terminate()
+            raise Error(f"AsynchronousDataAccessor worker thread failed to start: the first item "
+                        f"could not be loaded ({type(error).__name__}: {error})") from error
 
-    def _restart(self) -> None:
+    def _restart(self, depth: int | None = None) -> None:
         if self._iterator is not None:
             self._iterator.close()
         items = iter(self._dataset)
         if self.rebatched_size is not None:
             items = _rebatch(items, self.rebatched_size, drop_last=True)
-        self._iterator = _PrefetchIterator(items, self._buffer_size)
-        self._fresh = True
+        self._iterator = _PrefetchIterator(items, depth or self._buffer_size)
+        self._fresh, self._first = True, None
 
     def terminate(self) -> None:
         """Stop the background loading."""
@@ -82,6 +91,10 @@ class AsynchronousDataAccessor:
         return self
 
     def __next__(self) -> Any:
+        if self._first is not None:
+            (item,), self._first = self._first, None
+            self._fresh = False
+            return item
         if self._iterator is None:
             raise StopIteration
         try:

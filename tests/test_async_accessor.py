@@ -31,7 +31,17 @@ def test_a_sync_data_loader_and_rebatching():
     assert [b[0].flatten().tolist() for b in rebatched] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
+class Broken(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        raise ValueError("Broken dataset")
+
+
 def test_poptorch_errors():
+    with pytest.raises(poptorch.Error, match="worker thread failed to start.*Broken dataset"):
+        poptorch.AsynchronousDataAccessor(Broken())
     loader = poptorch.DataLoader(poptorch.Options(), rows(4), batch_size=2, mode=poptorch.DataLoaderMode.Async)
     with pytest.raises(poptorch.Error, match="The DataLoader already uses an AsynchronousDataAccessor"):
         poptorch.AsynchronousDataAccessor(loader)
