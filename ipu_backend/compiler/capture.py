@@ -150,12 +150,13 @@ def export(module: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram
 
 
 def decompose_to_core_aten(exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """``exported.run_decompositions()`` with our table, at a quarter of its cost.
+    """``exported.run_decompositions()`` with our table, at a fraction of its cost.
 
-    torch re-collects and re-patches all ~500 CompositeImplicitAutograd (CIA) ops on every call
-    (~0.35 s, most of an export). Patching a CIA op with its own default decomposition only
-    matters when the graph still calls it, so we patch just those and the ops whose table entry is
-    a different decomposition; the rest decompose through their CIA kernel exactly as before.
+    torch re-collects and re-patches all ~500 CompositeImplicitAutograd (CIA) ops on every call,
+    most of an export's time. Patching a CIA op with its own default decomposition only matters
+    when the graph still calls it, so we patch just those and the ops whose table entry is a
+    different decomposition; the rest decompose through their CIA kernel exactly as in
+    ``run_decompositions``.
     This reaches into ``torch.export.exported_program``'s private helpers, so it is pinned to the
     torch minor versions checked by ``tests/compiler/test_capture_decompositions.py``.
     """

@@ -9,10 +9,11 @@ compiled in::
 ``conv_algorithm``: ``"xla"`` lowers ``aten.convolution`` to ``lax.conv_general_dilated``;
 ``"im2col"`` lowers it to static slices and one matrix product; ``"in_loop"``, what programs
 use inside loops, is im2col except for an input with a single channel; ``"auto"``, the default
-at a program's top level, is im2col. On XLA:CPU im2col ran 1.2-2.9x faster than XLA's
-convolution, forward and backward, at the top level, and 2.5-5x inside loops for inputs of 3 or
-more channels; on other backends (cuDNN's convolutions on GPUs) ``"auto"`` and ``"in_loop"``
-are XLA's convolution (see ``lowerings/convolution.py``). All give torch's numbers.
+at a program's top level, is im2col. On XLA:CPU im2col is faster than XLA's convolution,
+forward and backward, at the top level and, for multi-channel inputs, inside loops (figures in
+the performance guide); on other backends (cuDNN's convolutions on GPUs) ``"auto"`` and
+``"in_loop"`` are XLA's convolution (see ``lowerings/convolution.py``). All give torch's
+numbers.
 """
 
 import contextlib

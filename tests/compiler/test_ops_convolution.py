@@ -221,7 +221,7 @@ def _largest_compiled_concatenate(stride: int) -> int:
 @pytest.mark.parametrize("stride", [1, 2])
 def test_im2col_stacks_at_most_eight_slices_at_once(stride):
     """XLA:CPU fuses a concatenate of at most 8 operands with their producers; 25 kernel offsets
-    stacked at once were a kernel per slice and a copy of them all."""
+    stacked at once would be a kernel per slice and a copy of them all."""
     assert 1 < _largest_compiled_concatenate(stride) <= 8
 
 

@@ -70,10 +70,9 @@ def _staged_windows(x, first_axis, out_size, kernel, stride, dilation):
     spatial axis at a time, the last first: the slices along it are stacked, the slices of that
     along the axis before it stacked in front, and so on, giving (k_1, ..., k_n, *lead,
     *out_size), the offsets in row-major order. XLA:CPU fuses a concatenate of at most 8
-    operands with what computes them, so each stage is one kernel; one stack of all k_1···k_n
-    slices (25 for 5×5) was a kernel per slice and a copy of them all. The seed CNN's training
-    step with device iterations ran 1.03-1.07x faster so, with the same numbers (A/B runs in
-    one process; stacking the first axis first ran the same)."""
+    operands with what computes them, so each stage is one kernel, where one stack of all
+    k_1···k_n slices (25 for 5×5) would be a kernel per slice and a copy of them all. The
+    numbers are the same as one stack's."""
     stacked = x
     for stage, axis in enumerate(reversed(range(len(kernel)))):
         position = stage + first_axis + axis       # ``stage`` offset axes now lead
@@ -171,9 +170,8 @@ def _unit_stride_columns(x, shape, out_size, kernel, dilation):
     incoming gradient in place into one buffer, offset after offset (a dynamic-update-slice
     each), where JAX's transpose of the slices pads each back to the input's size and XLA:CPU
     fuses the sum of the padded slices into one kernel testing every term's bounds per
-    element, then recomputes it in each consumer unless something stops it: the seed CNN's
-    training step with device iterations ran 1.04-1.07x faster this way than with the padded
-    sum passed through :func:`_gradient_computed_once` (three A/B runs in one process)."""
+    element, then recomputes it in each consumer unless something stops it; adding in place
+    also costs less than stopping it with :func:`_gradient_computed_once`'s product."""
     return _staged_windows(x, 2, out_size, kernel, (1,) * len(kernel), dilation)
 
 
@@ -225,11 +223,9 @@ _gradient_computed_once.defvjp(_gradient_computed_once_fwd, _gradient_computed_o
 
 
 def _conv_auto(x, weight, **config):
-    """The convolution at a program's top level: im2col on the CPU, where XLA's convolution (an
-    Eigen kernel there) ran 1.2-2.9× slower forward and backward for every layer measured (the
-    seed CNN's, PyTorch's MNIST example's, CIFAR-sized 3×3 layers, strided and 1×1 ones; the
-    seed CNN's training step with one device iteration 1.3× faster); XLA's convolution
-    elsewhere."""
+    """The convolution at a program's top level: im2col on the CPU, where XLA's convolution is
+    an Eigen kernel slower than im2col, forward and backward, for every layer measured (see the
+    performance guide); XLA's convolution elsewhere."""
     return (_conv_im2col if backend.on_cpu() else _conv_xla)(x, weight, **config)
 
 
@@ -237,11 +233,9 @@ def _conv_in_loop(x, weight, **config):
     """The convolution inside a loop on the CPU: im2col, except where the input has a single
     channel (a grayscale image's first layer). There XLA:CPU's in-loop convolution is not slow,
     and im2col's channel-major product would cost a layout change of the layer's output and of
-    its gradient: with XLA's convolution for its first layer, the seed CNN's step with device
-    iterations ran 1.22-1.28× faster (four A/B runs in one process; PyTorch's MNIST example
-    network, whose first layer has 32 output channels, ran the same). With 3 or more input
-    channels XLA's convolution ran 2.5-5× slower than im2col inside a loop. Other backends:
-    XLA's convolution."""
+    its gradient. With more input channels XLA's in-loop convolution is a generic loop,
+    slower than im2col (figures in the performance guide). Other backends: XLA's
+    convolution."""
     if x.shape[1] == 1 or not backend.on_cpu():
         return _conv_xla(x, weight, **config)
     return _conv_im2col(x, weight, **config)
@@ -381,9 +375,8 @@ def _tiled_max_pool(x, out_size, kernel):
     work elementwise on whole slabs instead of on strided windows interleaved with the rows.
     Channels (the last lead axis) go first so that the pooled output is channel-major, as an
     im2col convolution reading it wants (their transposes cancel), and its gradient arrives so.
-    The transpose is one copy of the input, its gradient one copy back: the seed CNN's training
-    step with device iterations ran 1.05-1.09x faster than reducing the interleaved window
-    axes, and 0.87x with the window positions first (A/B in one process)."""
+    The transpose is one copy of the input, its gradient one copy back, which costs less than
+    reducing window axes interleaved with the rows."""
     n = len(kernel)
     lead = x.ndim - n
     crop = x[(...,) + tuple(slice(0, m * k) for m, k in zip(out_size, kernel))]
@@ -433,8 +426,8 @@ def _slab_argmax(slabs, axis):
     (value, position) pairs under that order: XLA computes it once, and the gradient's select
     compares each element's position with the choice, reading no other window element (XLA:CPU
     fuses cheap producers into each of their consumers, so a choice built elementwise from the
-    window's elements is recomputed per element in every consumer of the gradient); 1.03-1.09x
-    on the seed CNN's step against a maximum and a separate rank reduction (A/B in one process)."""
+    window's elements is recomputed per element in every consumer of the gradient), and one
+    reduction costs less than a maximum and a separate rank reduction."""
     floating = jnp.issubdtype(slabs.dtype, jnp.floating)
 
     def preferred(a, b):

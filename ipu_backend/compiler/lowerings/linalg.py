@@ -49,10 +49,8 @@ def matrix_product(a, b, *, b_transposed: bool = False):
     transposed operand, materialized. ``b_transposed``: ``b`` is a transposed view (F.linear's
     weight), so ``b``'s gradient is computed transposed, ``g.T @ a``, and the view's own
     gradient transposes it back: XLA cancels the two transposes.
-    With every product so (linear layers and im2col convolutions), the seed CNN's training step
-    with device iterations ran 1.03-1.04x faster and the bench MLP 1.05-1.07x (A/B runs in one
-    process); with only one of the two kinds so, the CNN ran 0.95x: mixing the two kernels
-    costs more than either."""
+    Every product of a program takes this path (linear layers and im2col convolutions alike):
+    a program mixing the two kernels runs slower than one using either."""
     if backend.on_cpu() and jnp.issubdtype(a.dtype, jnp.floating):
         return checkpoint_name(_cpu_matrix_product(a, b, b_transposed), MATRIX_PRODUCT_NAME)
     return einsum("ij,jk->ik", a, b)
