@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench docs
+.PHONY: setup demo test bench plots docs
 
 setup: $(STAMP)
 
@@ -27,6 +27,13 @@ bench: setup
 	$(PY) bench/core_scaling.py
 	$(PY) bench/pipeline_overhead.py
 	$(PY) bench/lightning_trainer.py
+	$(PY) bench/plots.py
+
+# The performance guide's images (docs/img/): the throughput chart from bench/results/*.json and
+# the replicated-scaling loss curves of examples/scaling.py.
+plots: setup
+	$(PY) bench/plots.py
+	cd examples && $(abspath $(PY)) scaling.py --plot ../docs/img/scaling.png
 
 # The documentation site (mkdocs.yml), built offline into build/site; --strict fails on any warning.
 docs: setup
