@@ -58,8 +58,7 @@ def timed_rounds(epochs: dict) -> dict:
     the functions taking turns in an order that rotates each round. Each timed epoch follows an
     untimed epoch of the same function, so that no path pays for the state another left behind:
     torch's OpenMP workers spin for milliseconds after its loop ends, competing for the cores
-    with whatever runs next (the MLP executor's first call took 7.2 ms after a torch eager epoch
-    and 2.7 ms after one of its own)."""
+    with whatever runs next (figures in docs/performance.md, "Device iterations")."""
     for epoch in epochs.values():
         epoch()
     times = {name: [] for name in epochs}

@@ -11,7 +11,7 @@ is overhead — a pipelined step costs ≤ 15 % more than the fused step. Steps 
 the variants and the median of each is kept, so machine load affects them alike. Also reported:
 the stash per micro-batch of stage 0 (activations only: the weights and their transposes are
 recomputed, not stashed). Writes bench/results/pipeline_overhead.json. Run by hand:
-`.venv/bin/python bench/pipeline_overhead.py`.
+`make bench`.
 """
 
 import json

@@ -16,10 +16,10 @@ project's fp32 contract). The plot shows the curves and each one's deviation fro
 
 Measured: 1 epoch (44 steps, loss 2.32 -> 0.46) stays within 1.2e-6. Longer runs do not: with
 ``--epochs 3`` some curves leave torch's after about 50 steps (up to 1e-2 relative on losses near
-0.1; which ones depends on rounding: 1, 2 and 8 replicas in the last run, 4 within 5e-6), and the
-script exits 1. The cause is AdamW, not the lowering: its first updates are about ``lr * sign(g)``,
-so near-zero gradients that are sums of cancelling terms turn rounding into updates of up to
-``lr``. Torch against itself, with only each batch's samples reversed, differs by 2.7e-5 in the
+0.1; which ones depends on rounding: in one such run 1, 2 and 8 replicas, with 4 within 5e-6),
+and the script exits 1. The cause is AdamW, not the lowering: its first updates are about
+``lr * sign(g)``, so near-zero gradients that are sums of cancelling terms turn rounding into
+updates of up to ``lr``. Torch against itself, with only each batch's samples reversed, differs by 2.7e-5 in the
 weights after 4 steps, and by 4.6e-6 in the loss at step 132 and growing. The first step's
 gradients here agree with torch's within 1.5e-6, with the same zeros.
 """
