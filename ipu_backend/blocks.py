@@ -3,10 +3,11 @@
 A *block* is a named part of the model's forward (``with Block("B1"): ...``,
 ``BeginBlock(layer)``, ``@BlockFunction("B1")``, ``Block.start("B1")``). While the model is
 captured, each operation is tagged with the block that is active when torch records it: the
-tag travels on the graph node as ``node.meta["custom"]["ipu_block"]`` (torch.export keeps
+tag travels on the graph node as ``node.meta["custom"][BLOCK_KEY]`` (torch.export keeps
 ``torch.fx.traceback`` annotations through decomposition). An execution strategy
 (:class:`PipelinedExecution`, :class:`ShardedExecution`) then groups blocks into *stages*, each
-on one IPU; :mod:`ipu_backend.runtime.stages` partitions the graph accordingly.
+on one IPU; the runtime receives it as a :class:`~ipu_backend.runtime.settings.Staging` and
+partitions the graph accordingly (:mod:`ipu_backend.runtime.stages`).
 
 Outside a capture (a plain torch call of the model) the annotations do nothing, as in PopTorch.
 
@@ -15,31 +16,26 @@ opened by ``Block.start`` or ``BeginBlock`` lasts until the next one starts, and
 recorded after a ``with Block(...)`` scope closes belong to no block, which is an error.
 """
 
-import enum
 import functools
 from collections.abc import Callable
 
 import torch
 import torch.fx.traceback as fx_traceback
-from jax.ad_checkpoint import checkpoint_name
 
-from ipu_backend.compiler.registry import lowering
-from ipu_backend.enums import Liveness
+from ipu_backend.compiler.custom_ops import BLOCK_KEY, recomputation_checkpoint
+from ipu_backend.enums import AutoStage, Liveness
 from ipu_backend.errors import Error
 from ipu_backend.hardware import MEMORY_CHECKS, MK2, IpuSpec
+from ipu_backend.runtime.settings import (
+    PARALLEL_PHASES,
+    PIPELINED_STAGING,
+    SERIAL_PHASES,
+    SHARDED_STAGING,
+    StagePlacement,
+    Staging,
+)
 
-BLOCK_KEY = "ipu_block"
-"""``node.meta["custom"][BLOCK_KEY]``: ``(user_id, ipu_id)`` of the node's block, or None
-when the node was recorded outside every block."""
 _AUTO_ID_KEY = "ipu_block_next_auto_id"
-
-
-class AutoStage(enum.IntEnum):
-    """How blocks become stages when the strategy names none (PopTorch's ``AutoStage``):
-    ``SameAsIpu``: the stage is the block's IPU; ``AutoIncrement``: each new block is a new stage."""
-
-    SameAsIpu = 0
-    AutoIncrement = 1
 
 
 def _capturing() -> bool:
@@ -171,6 +167,14 @@ def removeBlocks(module: torch.nn.Module) -> None:  # noqa: N802
             del sub._forward_pre_hooks[handle_id]
 
 
+def annotated_ipu_ids(module: torch.nn.Module) -> set[int]:
+    """The IPUs that :func:`BeginBlock` annotations of ``module`` and its sub-modules name."""
+    ids = {hook.ipu_id for sub in module.modules() for hook in sub._forward_pre_hooks.values()
+           if isinstance(hook, _BeginBlockHook)}
+    ids.discard(None)
+    return ids
+
+
 def BlockFunction(user_id: str | None = None, ipu_id: int | None = None):  # noqa: N802
     """Decorator: the decorated function runs inside ``Block(user_id, ipu_id)``."""
     _check_user_id(user_id)
@@ -266,12 +270,34 @@ class PipelinedExecution:
     def auto_stage(self) -> AutoStage:
         return self._auto_stage
 
+    @property
+    def phases(self) -> tuple:
+        """The phases of a phased strategy; none here."""
+        return ()
+
+    @property
+    def same_as_ipu(self) -> bool:
+        """Whether, with no stages named, a block's stage is its IPU (``AutoStage.SameAsIpu``)."""
+        return self._auto_stage is AutoStage.SameAsIpu
+
     def stage(self, block_id: str) -> Stage:
         """The explicit stage holding ``block_id``."""
         for stage in self._stages:
             if block_id in stage.blocks:
                 return stage
         raise Error(f"Unknown block {block_id}")
+
+    phased: str | None = None
+    """How phases run (a phased strategy's), None without phases."""
+
+    def staging(self) -> Staging:
+        """This strategy as the runtime reads it."""
+        return Staging(kind=SHARDED_STAGING if isinstance(self, ShardedExecution) else PIPELINED_STAGING,
+                       stages=tuple(StagePlacement(stage.blocks, stage.ipu_id) for stage in self._stages),
+                       same_as_ipu=self.same_as_ipu, ipu_spec=self.ipu_spec,
+                       memory_check=self.memory_check, description=repr(self), phased=self.phased,
+                       phases=tuple(tuple(StagePlacement(stage.blocks, stage.ipu_id) for stage in phase.stages)
+                                    for phase in self.phases))
 
     def __repr__(self) -> str:
         inside = [repr(s) for s in self._stages] if self._stages else [f"AutoStage.{self._auto_stage.name}"]
@@ -359,7 +385,7 @@ class _PhasedExecution(ShardedExecution):
 
     def default_ipu(self, phase: int, position: int) -> int:
         """The IPU of a stage given none (by the stage or its blocks)."""
-        return position
+        return self.staging().default_ipu(phase, position)
 
     def useSeparateBackwardPhase(self, use: bool = True) -> "_PhasedExecution":  # noqa: N802
         """Give the backward pass phases of its own (PopTorch's phase numbering; the numbers
@@ -382,8 +408,7 @@ class ParallelPhasedExecution(_PhasedExecution):
     on IPU ``2k + p % 2`` (phases 0, 2, ... on IPUs 0 and 2; phases 1, 3, ... on IPUs 1 and 3),
     unless its stage or blocks name an IPU."""
 
-    def default_ipu(self, phase: int, position: int) -> int:
-        return 2 * position + phase % 2
+    phased = PARALLEL_PHASES
 
     def sendTensorsOffChipAfterFwd(self, off_chip: bool = True) -> "ParallelPhasedExecution":  # noqa: N802
         """Keep tensors off chip after the forward pass (recorded; no effect on the numbers)."""
@@ -397,35 +422,14 @@ class SerialPhasedExecution(_PhasedExecution):
     """Every phase runs on one group of IPUs, one phase after the other: by default a phase's
     ``k``-th stage runs on IPU ``k``, unless its stage or blocks name an IPU."""
 
+    phased = SERIAL_PHASES
+
     def setTensorsLiveness(self, liveness: Liveness) -> "SerialPhasedExecution":  # noqa: N802
         """Where tensors live between phases (recorded; no effect on the numbers)."""
         if not isinstance(liveness, Liveness):
             raise Error(f"setTensorsLiveness expects a poptorch.Liveness, got {liveness!r}")
         self._liveness = liveness
         return self
-
-
-RECOMPUTATION_CHECKPOINT_NAME = "ipu_recomputation_checkpoint"
-"""The name ``jax.ad_checkpoint.checkpoint_name`` gives checkpointed values in stage programs."""
-
-
-@torch.library.custom_op("ipu_backend::recomputation_checkpoint", mutates_args=())
-def _recomputation_checkpoint(x: torch.Tensor) -> torch.Tensor:
-    return x.clone()
-
-
-@_recomputation_checkpoint.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-_recomputation_checkpoint.register_autograd(lambda ctx, grad: grad)
-RECOMPUTATION_CHECKPOINT = torch.ops.ipu_backend.recomputation_checkpoint.default
-
-
-@lowering(RECOMPUTATION_CHECKPOINT)
-def _lower_recomputation_checkpoint(ctx, x):
-    return checkpoint_name(x, RECOMPUTATION_CHECKPOINT_NAME)
 
 
 def recomputationCheckpoint(*tensors):  # noqa: N802
@@ -436,5 +440,5 @@ def recomputationCheckpoint(*tensors):  # noqa: N802
         return type(tensors[0])(recomputationCheckpoint(*tensors[0]))
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         raise ValueError("All inputs must be tensors")
-    out = tuple(_recomputation_checkpoint(t) for t in tensors)
+    out = tuple(recomputation_checkpoint(t) for t in tensors)
     return out[0] if len(out) == 1 else out

@@ -116,7 +116,8 @@ class OverlapMode(enum.Enum):
 
 
 class AutoStage(enum.IntEnum):
-    """How blocks without an explicit stage get one: the IPU's index, or the next free id."""
+    """How blocks become stages when the strategy names none (PopTorch's ``AutoStage``):
+    ``SameAsIpu``: the stage is the block's IPU; ``AutoIncrement``: each new block is a new stage."""
 
     SameAsIpu = 0
     AutoIncrement = 1

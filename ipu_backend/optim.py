@@ -27,6 +27,7 @@ import warnings
 
 import torch
 
+from ipu_backend.runtime.optimizers import register_optimizer
 
 FP16_MAX = 65500.0
 """LAMB's default ``max_weight_norm``: the largest float16, as in PopTorch."""
@@ -346,3 +347,8 @@ for _cls in (SGD, Adam, AdamW, RMSprop, LAMB):
     for _name in _cls._optimizer_wide:
         setattr(_cls, _name, _optimizer_wide_attribute(_name))
 del _cls, _name
+
+
+# The compiled training step runs these with the runtime's update rules, ahead of torch's classes.
+for _optimizer, _algorithm in ((RMSprop, "RMSprop"), (Adam, "Adam"), (AdamW, "Adam"), (SGD, "SGD"), (LAMB, "LAMB")):
+    register_optimizer(_optimizer, _algorithm)

@@ -33,13 +33,13 @@ import inspect
 import json
 import os
 from collections.abc import Iterable, Mapping
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 from typing import Any, Self, TypeVar
 
 import torch
 
-import ipu_backend
 from ipu_backend import enums
+from ipu_backend.blocks import PipelinedExecution, ShardedExecution, Stage
 from ipu_backend.enums import (
     CommGroupType,
     ConnectionType,
@@ -50,6 +50,8 @@ from ipu_backend.enums import (
 )
 from ipu_backend.errors import Error
 from ipu_backend.hardware import DEFAULT_CHECK, MEMORY_CHECKS, MK2, IpuSpec
+from ipu_backend.runtime.optimizers import needs_running_mean
+from ipu_backend.runtime.settings import UNSUPPORTED_STAGING, RunSettings, Staging
 
 
 class FrozenOptionsError(Error, AttributeError):
@@ -972,7 +974,10 @@ class Options(_OptionGroup):
     @_unless_frozen
     def loadFromFile(self, filepath: str) -> Self:
         """Run a file of setter calls, one per line, written without the ``options.`` prefix
-        (``deviceIterations(4)``); ``#`` starts a comment and ``poptorch`` names this package.
+        (``deviceIterations(4)``); ``#`` starts a comment and ``poptorch`` names what the setters
+        take: ``poptorch.enums`` and its enums, ``TensorLocationSettings``, the execution
+        strategies (``PipelinedExecution``, ``ShardedExecution``, ``Stage``, ``AutoStage``) and
+        ``IpuSpec``.
 
         As in PopTorch, each line runs as Python: load only files you trust.
         """
@@ -986,7 +991,7 @@ class Options(_OptionGroup):
             raise ConfigFileError(
                 f"{type(err).__name__} at line {err.lineno} of {os.path.basename(filepath)}: "
                 f"{err.msg}\n> {(err.text or '').strip()}") from None
-        exec(code, {"__builtins__": {}, "poptorch": ipu_backend, "options": self})
+        exec(code, {"__builtins__": {}, "poptorch": _CONFIG_NAMESPACE, "options": self})
         return self
 
     # Copies, comparison and serialisation.
@@ -998,6 +1003,37 @@ class Options(_OptionGroup):
     def clone(self) -> "Options":
         """An unfrozen deep copy."""
         return copy.deepcopy(self)
+
+    def for_model(self, optimizer: torch.optim.Optimizer | None = None) -> "Options":
+        """The options a model keeps (beyond PopTorch): these are frozen, as a model now uses
+        them, and the model gets a frozen copy of its own, with ``MeanReductionStrategy.Running``
+        where PopTorch chooses it for the model's ``optimizer`` (float16 gradient accumulators)."""
+        self._freeze()
+        kept = self.clone()
+        if optimizer is not None and needs_running_mean(optimizer):
+            kept.Training.setMeanAccumulationAndReplicationReductionStrategy(MeanReductionStrategy.Running)
+        kept._freeze()
+        return kept
+
+    def runtime_settings(self) -> RunSettings:
+        """These options as the runtime reads them, as plain frozen data (beyond PopTorch)."""
+        training, precision = self.Training, self.Precision
+        mode = self.output_mode
+        recomputation = self._Popart.options.get("autoRecomputation", 0)
+        return RunSettings(
+            device_iterations=self.device_iterations, replication_factor=self.replication_factor,
+            gradient_accumulation=training.gradient_accumulation,
+            mean_reduction=training.accumulation_and_replication_reduction_type != ReductionType.Sum,
+            running_mean=training.mean_reduction_strategy == MeanReductionStrategy.Running,
+            output_mode=None if mode is OutputMode.Default else _OUTPUT_MODES[mode],
+            output_period=self.output_return_period or 1, auto_loss_scaling=training.auto_loss_scaling,
+            stochastic_rounding=precision.stochastic_rounding, master_weights=precision.master_weights,
+            optimizer_on_chip=self.TensorLocations.optimizer_on_chip, broadcast_buffers=self.broadcast_buffers,
+            random_seed=self.random_seed, executable_cache_dir=self.executable_cache_dir,
+            auto_round_num_ipus=self.auto_round_num_ipus,
+            recomputation=int(getattr(recomputation, "value", recomputation)),
+            ipu_spec=self.ipu_spec, memory_check=self.memory_check, staging=_staging(self.execution_strategy),
+            key=repr(sorted(self.toDict().items())))
 
     def _groups(self) -> tuple[_OptionGroup, ...]:
         return (self, self._training, self._precision, self._tensor_locations)
@@ -1048,6 +1084,30 @@ class Options(_OptionGroup):
         return f"{type(self).__name__}({', '.join(shown)})"
 
 
+_OUTPUT_MODES = {OutputMode.All: "all", OutputMode.Final: "final", OutputMode.Sum: "sum",
+                 OutputMode.EveryN: "every_n"}
+
+
+def _staging(strategy: Any) -> Staging | None:
+    """The execution strategy as the runtime reads it (None when none is set)."""
+    if strategy is None:
+        return None
+    if isinstance(strategy, PipelinedExecution):
+        return strategy.staging()
+    return Staging(kind=UNSUPPORTED_STAGING, description=repr(strategy))
+
+
+def in_force(options: "Options") -> tuple[IpuSpec, str]:
+    """The IPU spec and memory check that apply to a model compiled with ``options``.
+
+    Both are set through ``Options`` (``setIpuSpec`` / ``setMemoryCheck``, or the ``ipu_spec`` /
+    ``memory_check`` keywords) or, for a model split over IPUs, on its ``PipelinedExecution`` /
+    ``ShardedExecution``. A setting left at its default in one place gives way to the other;
+    set to different values in both, it is an error (which one was meant is not knowable).
+    """
+    return options.runtime_settings().memory()
+
+
 def _enum_from_string(value: Any) -> Any:
     """``"OutputMode.All"`` as ``OutputMode.All``; any other value unchanged (PopTorch's JSON
     convention)."""
@@ -1066,3 +1126,9 @@ _ALL_INERT = {name: default
                             _PopartOptions)
               for name, default in group._INERT.items()}
 _DEFAULTS = Options().toDict()
+_CONFIG_NAMESPACE = SimpleNamespace(
+    enums=enums, **{name: member for name, member in vars(enums).items()
+                    if isinstance(member, type) and member.__module__ == enums.__name__},
+    TensorLocationSettings=TensorLocationSettings, PipelinedExecution=PipelinedExecution,
+    ShardedExecution=ShardedExecution, Stage=Stage, IpuSpec=IpuSpec)
+"""What ``poptorch`` names in a file given to :meth:`Options.loadFromFile`."""

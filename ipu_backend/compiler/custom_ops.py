@@ -1,4 +1,5 @@
-"""PopTorch's marker ops as torch custom ops, so that torch.export keeps them in the graph."""
+"""PopTorch's marker ops as torch custom ops, so that torch.export keeps them in the graph, and
+the annotation a captured node carries of its block."""
 
 import torch
 
@@ -48,3 +49,26 @@ def identity_loss(x: torch.Tensor, reduction: str) -> torch.Tensor:
 
 
 IDENTITY_LOSS = torch.ops.ipu_backend.identity_loss.default
+
+
+BLOCK_KEY = "ipu_block"
+"""``node.meta["custom"][BLOCK_KEY]``: ``(user_id, ipu_id)`` of the block a captured node was
+recorded in, or None when it was recorded outside every block (``ipu_backend.blocks`` sets it)."""
+
+RECOMPUTATION_CHECKPOINT_NAME = "ipu_recomputation_checkpoint"
+"""The name ``jax.ad_checkpoint.checkpoint_name`` gives checkpointed values in stage programs."""
+
+
+@torch.library.custom_op("ipu_backend::recomputation_checkpoint", mutates_args=())
+def recomputation_checkpoint(x: torch.Tensor) -> torch.Tensor:
+    """A value a recomputed stage keeps between its forward and backward passes."""
+    return x.clone()
+
+
+@recomputation_checkpoint.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+recomputation_checkpoint.register_autograd(lambda ctx, grad: grad)
+RECOMPUTATION_CHECKPOINT = torch.ops.ipu_backend.recomputation_checkpoint.default

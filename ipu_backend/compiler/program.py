@@ -56,6 +56,35 @@ class Program:
         outputs, new_buffers, _ = self.logged_fn(params, buffers, inputs, rng_key)
         return outputs, new_buffers
 
+    def output_leaves(self) -> list:
+        """The user outputs, flattened in pytree order: graph nodes, or constants the program
+        returns as they are."""
+        output = next(n for n in self.graph_module.graph.nodes if n.op == "output")
+        return list(output.args[0][self.num_mutations:])
+
+    def array_outputs(self) -> list[torch.fx.Node]:
+        """The graph nodes among :meth:`output_leaves` (the program's array results), the
+        ``self.log`` values of a step method last."""
+        return [n for n in self.output_leaves() if isinstance(n, torch.fx.Node)]
+
+    def result_arrays(self) -> list[torch.fx.Node]:
+        """:meth:`array_outputs` without the ``self.log`` values a step method adds at the end."""
+        arrays = self.array_outputs()
+        logged = sum(call.is_tensor for call in self.logs)
+        return arrays[:len(arrays) - logged]
+
+    def logged_dtypes(self) -> dict[str, torch.dtype]:
+        """The dtype of each tensor a step method logs (``self.log``), by name."""
+        names = [call.name for call in self.logs if call.is_tensor]
+        nodes = self.array_outputs()[len(self.result_arrays()):]
+        return {name: node.meta["val"].dtype for name, node in zip(names, nodes)}
+
+    def result_shapes(self) -> list:
+        """Per leaf of a step method's result, its shape (None for a constant leaf)."""
+        count = self.output_spec.child(0).num_leaves
+        return [leaf.meta["val"].shape if isinstance(leaf, torch.fx.Node) else None
+                for leaf in self.output_leaves()[:count]]
+
     def state(self, module: torch.nn.Module) -> tuple[dict, dict]:
         """The module's current parameters and buffers as JAX arrays, keyed as the program wants."""
         tensors = dict(module.named_parameters())

@@ -26,6 +26,18 @@ def norm_coefficient(max_norm, total_norm):
     return jnp.minimum(max_norm / (total_norm + _NORM_EPS), 1.0)
 
 
+def clip_by_global_norm(grads: Mapping, names: Iterable[str], max_norm) -> dict:
+    """``grads`` with those of ``names`` clipped as ``torch.nn.utils.clip_grad_norm_(max_norm)``
+    clips them: by their global 2-norm (computed in float32); the others unchanged."""
+    names = tuple(names)
+    total = jnp.sqrt(sum(jnp.sum(jnp.square(grads[name].astype(jnp.float32))) for name in names))
+    coefficient = norm_coefficient(max_norm, total)
+    clipped = dict(grads)
+    for name in names:
+        clipped[name] = (grads[name] * coefficient).astype(grads[name].dtype)
+    return clipped
+
+
 @dataclass(frozen=True)
 class GradientClipping:
     """Clip the optimizer's gradients to ``value``: by their global 2-norm, or element-wise."""
@@ -43,16 +55,11 @@ class GradientClipping:
 
     def __call__(self, grads: Mapping, names: Iterable[str]) -> dict:
         """``grads`` with those of ``names`` clipped; the others unchanged."""
-        names = tuple(names)
+        if self.algorithm == "norm":
+            return clip_by_global_norm(grads, names, self.value)
         clipped = dict(grads)
-        if self.algorithm == "value":
-            for name in names:
-                clipped[name] = jnp.clip(grads[name], -self.value, self.value)
-            return clipped
-        total = jnp.sqrt(sum(jnp.sum(jnp.square(grads[name].astype(jnp.float32))) for name in names))
-        coefficient = norm_coefficient(self.value, total)
         for name in names:
-            clipped[name] = (grads[name] * coefficient).astype(grads[name].dtype)
+            clipped[name] = jnp.clip(grads[name], -self.value, self.value)
         return clipped
 
     def wrap(self, rule) -> "ClippedRule":

@@ -38,14 +38,13 @@ gradients, as after ``zero_grad``), closures passed to ``step`` and gradient acc
 host batches.
 """
 
-import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
 import jax.extend as jex
 import jax.numpy as jnp
+import numpy as np
 import torch
 import torch.utils._pytree as torch_pytree
 from jax.sharding import NamedSharding
@@ -53,18 +52,17 @@ from jax.sharding import PartitionSpec as P
 
 from ipu_backend.compiler import compile_module
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, totals_of
-from ipu_backend.enums import OutputMode
 from ipu_backend.errors import Error
-from ipu_backend.runtime import compilation_cache, host_idle, memory
 from ipu_backend.runtime.clipping import GradientClipping
-from ipu_backend.runtime.devices import REPLICA, replica_mesh
-from ipu_backend.runtime.memory import single_ipu_usage
+from ipu_backend.runtime.devices import REPLICA
+from ipu_backend.runtime.lifecycle import CompiledStep, Executor, first_micro_batch, input_signature, optimizer_state
 from ipu_backend.runtime.optimizers import optimizer_rule
-from ipu_backend.runtime.outputs import inputs_to_device, output_to_host
-from ipu_backend.runtime.recording import BACKWARD, MANUAL, UPDATE, NullRecorder, ProgramFacts, StageFacts
+from ipu_backend.runtime.outputs import inputs_to_device
+from ipu_backend.runtime.recording import BACKWARD, MANUAL, UPDATE
+from ipu_backend.runtime.schedule import Schedule
 from ipu_backend.runtime.step import (
     OutputLayout,
-    Schedule,
+    call_key,
     call_outputs,
     from_replica_zero,
     initial_scaler,
@@ -74,13 +72,7 @@ from ipu_backend.runtime.step import (
     replica_keys,
     replica_sum,
 )
-from ipu_backend.runtime.weights import release, weight_store
-from ipu_backend.runtime.xla_compile import compile_lowered
 
-logger = logging.getLogger("ipu_backend")
-
-_OUTPUT_MODES = {OutputMode.All: "all", OutputMode.Final: "final", OutputMode.Sum: "sum",
-                 OutputMode.EveryN: "every_n", OutputMode.Default: "final"}
 _STEP_ATTRIBUTE = "_ipu_manual_training_step"
 
 
@@ -167,17 +159,7 @@ class StepEvents:
         owner._parameters[leaf] = tensor
 
 
-class _Compiled:
-    def __init__(self, call, program, layout, output_dtypes, log_dtypes, events, rules):
-        self.call, self.program, self.layout = call, program, layout
-        self.output_dtypes, self.log_dtypes = output_dtypes, log_dtypes
-        self.events, self.rules = events, rules
-        self.executable = None
-        self.facts = None
-        self.started = time.perf_counter()
-
-
-class ManualStepExecutor:
+class ManualStepExecutor(Executor):
     """Runs ``model.<step_method>(*args)``, a manual-optimization training step, compiled whole.
 
     ``optimizers`` are the torch optimizers the step uses (their index is the one
@@ -192,88 +174,70 @@ class ManualStepExecutor:
     def __init__(self, model: torch.nn.Module, options, optimizers: Sequence[torch.optim.Optimizer],
                  step_method: str, intercept: Callable, step_schedulers: Callable | None = None,
                  recorder=None):
-        options._freeze()
-        self._options = options.clone()
-        self._options._freeze()
-        if self._options.Training.gradient_accumulation != 1:
-            raise Error("gradient accumulation is not available with manual optimization: accumulate "
-                        "in the training step (several manual_backward calls before a step)")
-        self._model = model
+        super().__init__(model, options, True, step_method, recorder)
         self._optimizers = list(optimizers)
-        self._step_method = step_method
         self._intercept = intercept
         self._step_schedulers = step_schedulers
-        self._scaler = initial_scaler() if self._options.Training.auto_loss_scaling else None
-        self._store = weight_store(model)
-        self._store.on_host_sync.append(self._optimizer_states_to_host)
-        self._compiled: dict = {}
+        self._scaler = initial_scaler() if self._settings.auto_loss_scaling else None
         self._opt_states = None
-        self._calls = 0
-        seed = self._options.random_seed
-        self._seed = int(torch.randint(0, 2**31 - 1, ())) if seed is None else seed
-        self.last_logs: dict = {}
-        self.last_program = None
         self.last_events: tuple = ()
-        compilation_cache.configure(self._options.executable_cache_dir)
-        self._profiler = recorder if recorder is not None else NullRecorder()
 
-    @property
-    def options(self):
-        return self._options
+    def _check_settings(self) -> None:
+        if self._settings.gradient_accumulation != 1:
+            raise Error("gradient accumulation is not available with manual optimization: accumulate "
+                        "in the training step (several manual_backward calls before a step)")
 
     def __call__(self, *args):
         self._profiler.started()
         compiled = self._compile(tuple(args))
         schedule = self._schedule()
-        mesh = replica_mesh(schedule.replicas)
+        mesh = self._mesh()
         inputs = inputs_to_device(args, schedule, mesh)
         params, buffers = self._store.device_state()
         hypers = self._hyperparameters(compiled, schedule.device_iterations)
         if self._opt_states is None:
-            self._opt_states = tuple(
-                rule.state_from_torch(opt, params) if any(opt.state.get(p) for g in opt.param_groups
-                                                           for p in g["params"]) else rule.init(params)
-                for rule, opt in zip(compiled.rules, self._optimizers))
-        self._calls += 1
-        key = jax.random.fold_in(jax.random.key(self._seed), self._calls)
+            self._opt_states = tuple(optimizer_state(rule, opt, params)
+                                     for rule, opt in zip(compiled.rules, self._optimizers))
+        index = self._next_call_index()
         state = jax.device_put({"params": params, "buffers": buffers, "opt": self._opt_states,
                                 "scaler": self._scaler}, NamedSharding(mesh, P()))
-        call_args = (state, inputs, hypers, key)
-        if compiled.executable is None:
-            executable = compile_lowered(compiled.call.lower(*call_args))
-            usage = single_ipu_usage(executable, state, schedule.replicas // mesh.size)
-            spec, check = memory.in_force(self._options)
-            memory.check(usage, spec, check)
-            compiled.executable = executable
-            logger.info("compiled the manual training program in %.2f s", time.perf_counter() - compiled.started)
-            compiled.facts = self._facts(compiled, schedule, usage, spec)
-            self._profiler.compiled(compiled.facts, call_args)
-        self._profiler.inputs_on_device(call_args)
-        state, arrays, logs = compiled.executable(*call_args)
-        self._profiler.computed(state, arrays, logs)
-        self._opt_states, self._scaler = state["opt"], state["scaler"]
-        self._store.update(state["params"], state["buffers"])
-        self.last_program, self.last_events = compiled.program, compiled.events
-        host_idle.run_queued()
-        self.last_logs = {name: output_to_host(v, compiled.log_dtypes[name]) for name, v in logs.items()}
-        outputs = compiled.layout.join([output_to_host(a, d) for a, d in zip(arrays, compiled.output_dtypes)])
-        self._profiler.finished(compiled.facts, call_args)
-        return outputs
+        call_args = (state, inputs, hypers, self._base_key(), np.uint32(index))
+        self._ensure_executable(compiled, call_args)
+        return self._run(compiled, call_args, args)
 
     def loss_scale(self) -> float | None:
         """The current loss scale (None without loss scaling)."""
         return None if self._scaler is None else float(self._scaler["scale"])
 
-    def copyWeightsToHost(self) -> None:  # noqa: N802  (PopTorch's name)
-        self._store.sync_to_host()
+    # --- the life cycle's steps for this kind ----------------------------------------------
+    def _make_schedule(self) -> Schedule:
+        settings = self._settings
+        return Schedule(device_iterations=settings.device_iterations, accumulation=1,
+                        replicas=settings.replication_factor, output_mode=settings.output_mode or "final",
+                        output_period=settings.output_period)
 
-    def destroy(self) -> None:
-        release(self._model)
-        self._profiler.close()
-        self._compiled.clear()
+    def _kind(self, compiled: CompiledStep) -> str:
+        return "manual training"
+
+    def _execution(self) -> str:
+        return MANUAL
+
+    def _passes(self, compiled: CompiledStep) -> tuple[str, ...]:
+        return tuple(BACKWARD if isinstance(e, Backward) else UPDATE for e in compiled.events
+                     if isinstance(e, (Backward, Step)))
+
+    def _torch_optimizers(self) -> list:
+        return self._optimizers
+
+    def _device_optimizer_states(self) -> tuple | None:
+        return self._opt_states
+
+    def _keep(self, compiled: CompiledStep, state: dict) -> None:
+        self._opt_states, self._scaler = state["opt"], state["scaler"]
+        self.last_events = compiled.events
 
     # --- internals -------------------------------------------------------------------------
-    def _hyperparameters(self, compiled: _Compiled, iterations: int):
+    def _hyperparameters(self, compiled: CompiledStep, iterations: int):
         """Each optimizer's hyper-parameters for each training step of the call (stacked on a
         leading axis), the schedulers the step steps stepped on the host in between."""
         per_step = []
@@ -283,33 +247,15 @@ class ManualStepExecutor:
                 self._step_schedulers(compiled.events)
         return jax.tree.map(lambda *values: jnp.stack(values), *per_step)
 
-    def _schedule(self) -> Schedule:
-        mode = self._options.output_mode
-        return Schedule(device_iterations=self._options.device_iterations, accumulation=1,
-                        replicas=self._options.replication_factor, output_mode=_OUTPUT_MODES[mode],
-                        output_period=self._options.output_return_period or 1)
-
-    def _compile(self, args: tuple) -> _Compiled:
-        leaves, spec = torch_pytree.tree_flatten(args)
-        signature = (spec,) + tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("const", x)
-                                    for x in leaves)
+    def _compile(self, args: tuple) -> CompiledStep:
+        signature = input_signature(args)
         compiled = self._compiled.get(signature)
         if compiled is None:
             compiled = self._compiled[signature] = self._build(args)
         return compiled
 
-    def _micro_batch(self, args: tuple, schedule: Schedule) -> tuple:
-        def first(x):
-            if not isinstance(x, torch.Tensor):
-                return x
-            if x.ndim == 0 or x.shape[0] % schedule.factor:
-                raise Error(f"the input's batch dimension ({tuple(x.shape)}) must be a multiple of "
-                            f"device_iterations x replication_factor = {schedule.factor}")
-            return x[: x.shape[0] // schedule.factor]
-        return torch_pytree.tree_map(first, args)
-
     def _capture(self, micro: tuple, events: StepEvents, versions):
-        model, method, intercept = self._model, self._step_method, self._intercept
+        model, method, intercept = self._user_model, self._step_method, self._intercept
 
         def step(*call_args):
             step_args = call_args if versions is None else call_args[:-1]
@@ -330,11 +276,11 @@ class ManualStepExecutor:
             model.train(was_training)
             object.__delattr__(model, _STEP_ATTRIBUTE)
 
-    def _build(self, args: tuple) -> _Compiled:
+    def _build(self, args: tuple) -> CompiledStep:
         schedule = self._schedule()
-        micro = self._micro_batch(args, schedule)
+        micro = first_micro_batch(args, schedule)
         self._store.sync_to_host()
-        events = StepEvents(self._model, self._optimizers)
+        events = StepEvents(self._user_model, self._optimizers)
         self._capture(micro, events, None)
         steps = [e for e in events.events if isinstance(e, Step)]
         if not steps:
@@ -345,7 +291,7 @@ class ManualStepExecutor:
             raise Error(f"{self._step_method} steps an LR scheduler before its last optimizer.step(): "
                         "the learning rates of a compiled step are read once per training step, so "
                         "call lr_scheduler.step() after the optimizer steps (Lightning's own order)")
-        params = dict(torch.nn.Module.named_parameters(self._model))
+        params = dict(torch.nn.Module.named_parameters(self._user_model))
         versions = tuple({n: torch.zeros_like(params[n]) for n in events.groups[s.optimizer]} for s in steps)
         program = self._capture(micro, events, versions)
         program.refuse_mutated_inputs("a manual-optimization step")
@@ -353,36 +299,14 @@ class ManualStepExecutor:
         rules = tuple(optimizer_rule(opt, names) for opt in self._optimizers)
         layout = OutputLayout()
         result_count = program.output_spec.child(0).child(0).num_leaves
-        output = next(n for n in program.graph_module.graph.nodes if n.op == "output")
-        nodes = [n for n in output.args[0][len(program.mutated_buffers):] if isinstance(n, torch.fx.Node)]
-        results = [n for n in output.args[0][len(program.mutated_buffers):][:result_count]
-                   if isinstance(n, torch.fx.Node)]
-        log_names = [call.name for call in program.logs if call.is_tensor]
-        log_nodes = nodes[len(nodes) - len(log_names):] if log_names else []
-        log_dtypes = {name: n.meta["val"].dtype for name, n in zip(log_names, log_nodes)}
+        results = [n for n in program.output_leaves()[:result_count] if isinstance(n, torch.fx.Node)]
+        log_dtypes = program.logged_dtypes()
         totals = totals_of(program.logs)
         log_dtypes.update({name + TOTAL_SUFFIX: log_dtypes[name] for name in totals})
         call = _manual_call(program, micro, tuple(events.events), events.groups, rules, schedule,
-                            replica_mesh(schedule.replicas), layout, totals, self._scaler is not None)
-        return _Compiled(call, program, layout, [n.meta["val"].dtype for n in results], log_dtypes,
-                         tuple(events.events), rules)
-
-    @staticmethod
-    def _facts(compiled: _Compiled, schedule: Schedule, usage: list, spec) -> ProgramFacts:
-        """What a recorder is told of ``compiled``."""
-        nodes = tuple(compiled.program.graph_module.graph.nodes)
-        passes = tuple(BACKWARD if isinstance(e, Backward) else UPDATE for e in compiled.events
-                       if isinstance(e, (Backward, Step)))
-        return ProgramFacts(training=True, schedule=schedule, execution=MANUAL, ipus_per_replica=1,
-                            stages=(StageFacts(0, 0, nodes, {"step": compiled.executable}),), memory=usage,
-                            ipu_spec=spec, compile_started=compiled.started, manual_passes=passes)
-
-    def _optimizer_states_to_host(self) -> None:
-        compiled = next(iter(self._compiled.values()), None)
-        if self._opt_states is None or compiled is None:
-            return
-        for rule, state, opt in zip(compiled.rules, jax.device_get(self._opt_states), self._optimizers):
-            rule.state_to_torch(state, opt)
+                            self._mesh(), layout, totals, self._scaler is not None)
+        return CompiledStep(call, program, layout, [n.meta["val"].dtype for n in results], log_dtypes,
+                            rules, events=tuple(events.events))
 
 
 def _used_inputs(fn, args) -> list[bool]:
@@ -407,8 +331,9 @@ def _chosen(keep, new, old):
 
 def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tuple, schedule: Schedule,
                  mesh, layout: OutputLayout, totals: dict, loss_scaling: bool):
-    """``call(state, inputs, hypers, key) -> (state, outputs, logs)``, jitted over the mesh, with
-    ``hypers`` per training step (leading axis); the logged metric states in ``totals`` also come
+    """``call(state, inputs, hypers, key, index) -> (state, outputs, logs)``, jitted over the mesh,
+    with ``hypers`` per training step (leading axis); ``key`` and ``index``: see
+    :func:`~ipu_backend.runtime.step.call_key`; the logged metric states in ``totals`` also come
     reduced over every micro-batch; ``loss_scaling``: torch's GradScaler (``state["scaler"]``)."""
     leaves, spec = torch_pytree.tree_flatten(micro)
     is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
@@ -494,13 +419,13 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
         return (current, from_replica_zero(new_buffers, local, mesh.size), tuple(opt_states), scaler), \
             jax.tree.map(lambda y: y[None], outputs)
 
-    def device_program(state, inputs, hypers, key):
-        keys = iteration_keys(key, schedule.device_iterations)
+    def device_program(state, inputs, hypers, key, index):
+        keys = iteration_keys(call_key(key, index), schedule.device_iterations)
         carry = (state["params"], state["buffers"], state["opt"], state["scaler"])
         (params, buffers, opt_states, scaler), ys = loop_scan(iteration, carry, (inputs, keys, hypers))
         arrays, logs = call_outputs(*ys, schedule, totals)
         return {"params": params, "buffers": buffers, "opt": opt_states, "scaler": scaler}, arrays, logs
 
-    sharded = jax.shard_map(device_program, mesh=mesh, in_specs=(P(), P(None, None, REPLICA), P(), P()),
+    sharded = jax.shard_map(device_program, mesh=mesh, in_specs=(P(), P(None, None, REPLICA), P(), P(), P()),
                             out_specs=(P(), P(REPLICA), P(REPLICA)), check_vma=False)
     return jax.jit(sharded, donate_argnums=(0,))

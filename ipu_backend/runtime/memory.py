@@ -17,31 +17,7 @@ import jax
 import numpy as np
 
 from ipu_backend.errors import Error
-from ipu_backend.hardware import DEFAULT_CHECK, MB, MEMORY_CHECKS, MK2, IpuSpec
-
-
-def in_force(options) -> tuple[IpuSpec, str]:
-    """The IPU spec and memory check that apply to a model compiled with ``options``.
-
-    Both are set through ``Options`` (``setIpuSpec`` / ``setMemoryCheck``, or the ``ipu_spec`` /
-    ``memory_check`` keywords) or, for a model split over IPUs, on its ``PipelinedExecution`` /
-    ``ShardedExecution``. A setting left at its default in one place gives way to the other;
-    set to different values in both, it is an error (which one was meant is not knowable).
-    """
-    strategy = options.execution_strategy
-    return (_one_of(options.ipu_spec, getattr(strategy, "ipu_spec", MK2), MK2, "ipu_spec", "setIpuSpec"),
-            _one_of(options.memory_check, getattr(strategy, "memory_check", DEFAULT_CHECK), DEFAULT_CHECK,
-                    "memory_check", "setMemoryCheck"))
-
-
-def _one_of(from_options, from_strategy, default, name: str, setter: str):
-    if from_strategy == default or from_strategy == from_options:
-        return from_options
-    if from_options == default:
-        return from_strategy
-    raise Error(f"{name} is set both in Options ({from_options!r}) and in the execution strategy "
-                f"({from_strategy!r}): set it in one place only (Options.{setter} applies to every "
-                "model, single-IPU ones included)")
+from ipu_backend.hardware import MB, MEMORY_CHECKS, IpuSpec
 
 
 @dataclass

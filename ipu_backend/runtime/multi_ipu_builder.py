@@ -4,38 +4,24 @@ devices and check the model fits its IPUs' memory."""
 
 import math
 import warnings
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import torch
 import torch.utils._pytree as torch_pytree
 
-from ipu_backend.blocks import PipelinedExecution, ShardedExecution
 from ipu_backend.compiler import capture
 from ipu_backend.compiler.dtypes import jax_dtype
 from ipu_backend.errors import Error
-from ipu_backend.hardware import IpuSpec
 from ipu_backend.runtime import memory
 from ipu_backend.runtime.clipping import GradientClipping
 from ipu_backend.runtime.memory import tree_bytes
 from ipu_backend.runtime.multi_ipu import MultiIpuProgram
 from ipu_backend.runtime.schedule import Schedule, stashed_micro_batches
+from ipu_backend.runtime.settings import UNSUPPORTED_STAGING, RunSettings, Staging
 from ipu_backend.runtime.stage_program import MultiIpuSettings, StageProgram
 from ipu_backend.runtime.stages import Partition, partition, sources_from_export, sources_from_program
 from ipu_backend.runtime.step import OutputLayout
-
-
-@dataclass(frozen=True)
-class SplitSettings:
-    """What the options say about splitting a model over IPUs."""
-
-    strategy: object                # the execution strategy (None: PipelinedExecution())
-    auto_round_num_ipus: bool
-    recomputation: int              # PopART's autoRecomputation (0: off)
-    optimizer_on_chip: bool
-    ipu_spec: IpuSpec
-    memory_check: str
 
 
 def check_ipu_count(num_ipus: int, auto_round: bool) -> int:
@@ -54,13 +40,12 @@ def check_ipu_count(num_ipus: int, auto_round: bool) -> int:
     return rounded
 
 
-def _strategy(strategy) -> PipelinedExecution:
-    if strategy is None:
-        return PipelinedExecution()
-    if not isinstance(strategy, PipelinedExecution):
-        raise Error(f"execution strategy {strategy!r} is not emulated; use poptorch.PipelinedExecution "
+def _staging(settings: RunSettings) -> Staging:
+    staging = settings.staging or Staging()
+    if staging.kind == UNSUPPORTED_STAGING:
+        raise Error(f"execution strategy {staging.description} is not emulated; use poptorch.PipelinedExecution "
                     "or poptorch.ShardedExecution")
-    return strategy
+    return staging
 
 
 def _check_stage_counts(part: Partition, schedule: Schedule, training: bool, pipelined: bool) -> None:
@@ -108,7 +93,7 @@ def _export(model, micro: tuple, training: bool, method: str | None):
         model.train(was_training)
 
 
-def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, split: SplitSettings,
+def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, settings: RunSettings,
           training: bool, rule=None, hyper=None, loss_index: int | None = None,
           method: str | None = None, clipping: GradientClipping | None = None) -> MultiIpuProgram | None:
     """The multi-IPU program of ``program``, the capture of ``model`` (or of its step ``method``)
@@ -116,7 +101,7 @@ def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, spl
     single-IPU step then serves). Training needs the optimizer's ``rule``, its current
     ``hyper``-parameters (for their shapes), the index of the loss among the array results and
     the gradient ``clipping`` (Lightning's) applied before each update, if any."""
-    strategy = _strategy(split.strategy)
+    staging = _staging(settings)
     program.refuse_mutated_inputs("a model split over IPUs")
     prefix = "" if method is None else "module."
     sources = sources_from_program(program, prefix)
@@ -124,21 +109,21 @@ def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, spl
     if sources is None:          # lifted constants: their values come from a capture of our own
         exported = _export(model, micro, training, method)
         sources, graph_module = sources_from_export(exported, prefix), exported.graph_module
-    part = partition(graph_module, sources, program.mutated_buffers, program.output_spec, strategy)
+    part = partition(graph_module, sources, program.mutated_buffers, program.output_spec, staging)
     if len(part.stages) == 1 and part.stages[0].ipu == 0:
         return None
-    pipelined = not isinstance(strategy, ShardedExecution)
+    pipelined = staging.pipelined
     check_metric_states(program, schedule)
     _check_stage_counts(part, schedule, training, pipelined)
-    check_ipu_count(part.num_ipus * schedule.replicas, split.auto_round_num_ipus)
+    check_ipu_count(part.num_ipus * schedule.replicas, settings.auto_round_num_ipus)
     devices = _devices(part.num_ipus, schedule.replicas)
-    settings = MultiIpuSettings(training=training, pipelined=pipelined, schedule=schedule, loss_index=loss_index,
-                         recompute=split.recomputation if training else 0,
-                         offload=training and not split.optimizer_on_chip,
-                         stages=len(part.stages), clipping=clipping if training else None,
-                         clip_max_grad_norm=training and math.isfinite(float(hyper["max_grad_norm"])),
-                         half_params=tuple(sorted(n for n, p in torch.nn.Module.named_parameters(model)
-                                                  if p.dtype in (torch.float16, torch.bfloat16))))
+    multi = MultiIpuSettings(training=training, pipelined=pipelined, schedule=schedule, loss_index=loss_index,
+                             recompute=settings.recomputation if training else 0,
+                             offload=training and not settings.optimizer_on_chip,
+                             stages=len(part.stages), clipping=clipping if training else None,
+                             clip_max_grad_norm=training and math.isfinite(float(hyper["max_grad_norm"])),
+                             half_params=tuple(sorted(n for n, p in torch.nn.Module.named_parameters(model)
+                                                      if p.dtype in (torch.float16, torch.bfloat16))))
 
     leaves = torch_pytree.tree_leaves(tuple(micro))
     input_avals = {i: jax.ShapeDtypeStruct((schedule.device_iterations, schedule.accumulation,
@@ -150,7 +135,7 @@ def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, spl
     buffers = {n: jax.ShapeDtypeStruct(tuple(b.shape), jax_dtype(b.dtype))
                for n, b in torch.nn.Module.named_buffers(model)}
     stages = [StageProgram(part, plan, [devices[r * part.num_ipus + plan.ipu] for r in range(schedule.replicas)],
-                     settings, params, buffers, input_avals, static_inputs, rule)
+                           multi, params, buffers, input_avals, static_inputs, rule)
               for plan in part.stages]
     hyper_avals = None if hyper is None else jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), hyper)
     usage = []
@@ -163,10 +148,10 @@ def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, spl
             accumulators=tree_bytes(stage.zero_accumulator_avals()) if training else 0,
             stash_per_micro_batch=stage.stash_bytes(),
             stashed_micro_batches=stashed_micro_batches(stage.plan.index, len(stages), pipelined) if training else 0,
-            temporaries=max(temporaries.values(), default=0), optimizer_offloaded=settings.offload,
+            temporaries=max(temporaries.values(), default=0), optimizer_offloaded=multi.offload,
             phase=stage.plan.phase))
     usage = memory.estimate(usage)
-    memory.check(usage, split.ipu_spec, split.memory_check)
+    memory.check(usage, *settings.memory())
     # A step method's outputs are (result, logged values): the layout is the result's.
     result_spec = part.out_spec if method is None else part.out_spec.child(0)
     layout = OutputLayout()
@@ -176,5 +161,5 @@ def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, spl
     log_names = tuple(c.name for c in program.logs if c.is_tensor)
     dtypes = [node.meta["val"].dtype for node in part.array_outputs]
     metric_states = {c.name: c.state.reduction for c in program.logs if c.state is not None}
-    return MultiIpuProgram(part, stages, settings, layout, dtypes, rule, usage,
+    return MultiIpuProgram(part, stages, multi, layout, dtypes, rule, usage,
                            sorted(input_avals), log_names, metric_states)

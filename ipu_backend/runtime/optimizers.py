@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from ipu_backend import optim
 from ipu_backend.errors import Error
+from ipu_backend.runtime.clipping import clip_by_global_norm
 
 _OPTION_DEFAULTS = {
     "loss_scaling": 1.0,
@@ -49,8 +49,6 @@ _OPTION_DEFAULTS = {
     "second_order_momentum_accum_type": torch.float32,
 }
 _STATE_DTYPES = {torch.float32: jnp.float32, torch.float16: jnp.float16}
-_CLIP_EPS = 1e-6
-"""Added to the global norm by ``torch.nn.utils.clip_grad_norm_``."""
 
 
 def _scalar(value) -> jax.Array:
@@ -94,13 +92,6 @@ def _torch_scalar_dtype() -> torch.dtype:
 
 def _to_numpy_float32(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().to("cpu", torch.float32).numpy()
-
-
-def _global_norm_clip(grads: dict, max_norm) -> dict:
-    """``torch.nn.utils.clip_grad_norm_`` over every parameter the optimizer updates."""
-    total = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in grads.values()))
-    coefficient = jnp.minimum(max_norm / (total + _CLIP_EPS), 1.0)
-    return {name: g * coefficient for name, g in grads.items()}
 
 
 def _l2_norm(x):
@@ -163,8 +154,8 @@ class OptimizerRule:
         loss; ``params`` and ``new_params`` may hold parameters outside the optimizer."""
         self._require(grads, "grads")
         grads = {name: grads[name].astype(jnp.float32) for name in self.names}
-        if self._options["clip_grad_norm"]:
-            grads = _global_norm_clip(grads, hyper["max_grad_norm"])
+        if self._options["clip_grad_norm"]:       # clip_grad_norm_ over every parameter it updates
+            grads = clip_by_global_norm(grads, self.names, hyper["max_grad_norm"])
         new_params, new_state = dict(params), {}
         for options, names, group_hyper in zip(self._group_options, self.groups, hyper["groups"]):
             for name in names:
@@ -524,14 +515,20 @@ class _LAMBRule(OptimizerRule):
         return param - (hyper["lr"] * trust) * update, moments
 
 
-# Most derived first: our classes before torch's, torch's AdamW (an Adam) before Adam.
-_RULES = (
-    (optim.LAMB, _LAMBRule),
-    (optim.SGD, _SGDRule), (optim.AdamW, _AdamRule), (optim.Adam, _AdamRule),
-    (optim.RMSprop, _RMSpropRule),
+UPDATE_RULES = {"SGD": _SGDRule, "Adam": _AdamRule, "RMSprop": _RMSpropRule, "LAMB": _LAMBRule}
+"""The update rules by algorithm name."""
+_RULES = [
     (torch.optim.SGD, _SGDRule), (torch.optim.AdamW, _AdamRule), (torch.optim.Adam, _AdamRule),
     (torch.optim.RMSprop, _RMSpropRule),
-)
+]
+"""Optimizer classes and their rules, most derived first (torch's AdamW, an Adam, before Adam)."""
+
+
+def register_optimizer(optimizer_class: type, algorithm: str) -> None:
+    """Run ``optimizer_class`` (and its subclasses that keep its ``step``) with the update rule of
+    ``algorithm`` (a key of :data:`UPDATE_RULES`), ahead of the classes registered before it:
+    ``ipu_backend.optim`` registers PopTorch's optimizers this way."""
+    _RULES.insert(0, (optimizer_class, UPDATE_RULES[algorithm]))
 
 
 def _rule_class(optimizer: torch.optim.Optimizer) -> type[OptimizerRule]:

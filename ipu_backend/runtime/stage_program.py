@@ -28,7 +28,7 @@ from jax.extend.core import Literal
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ipu_backend.blocks import RECOMPUTATION_CHECKPOINT_NAME
+from ipu_backend.compiler.custom_ops import RECOMPUTATION_CHECKPOINT_NAME
 from ipu_backend.compiler.dtypes import jax_dtype
 from ipu_backend.compiler.lowerings.linalg import MATRIX_PRODUCT_NAME
 from ipu_backend.runtime.clipping import GradientClipping, norm_coefficient

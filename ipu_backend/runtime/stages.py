@@ -1,7 +1,8 @@
 """Partition a captured model into stages, one per group of blocks, and evaluate one stage.
 
-Each call_function node of the core-ATen graph carries its block (see :mod:`ipu_backend.blocks`);
-the execution strategy maps blocks to stages and IPUs. A stage owns the parameters and buffers
+Each call_function node of the core-ATen graph carries its block (``ipu_backend.blocks`` tags it);
+the execution strategy (a :class:`~ipu_backend.runtime.settings.Staging`) maps blocks to stages
+and IPUs. A stage owns the parameters and buffers
 its nodes read, reads the user inputs it needs, *receives* the values of earlier stages it uses
 and *sends* the values later stages use. :func:`run_stage` evaluates one stage's nodes with the
 lowerings, with the same random key per node as the whole graph would use, so a partitioned
@@ -16,11 +17,12 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch.export.graph_signature import InputKind
 
-from ipu_backend.blocks import BLOCK_KEY, AutoStage, PipelinedExecution, _PhasedExecution
 from ipu_backend.compiler import interpreter
+from ipu_backend.compiler.custom_ops import BLOCK_KEY
 from ipu_backend.compiler.dtypes import to_jax
 from ipu_backend.compiler.sources import user_location
 from ipu_backend.errors import Error
+from ipu_backend.runtime.settings import Staging
 
 _IMPLICIT = object()
 """Marks nodes recorded before any block started: PopTorch puts them in stage 0 on IPU 0."""
@@ -81,26 +83,26 @@ def _where(node: torch.fx.Node) -> str:
 class _StageAssigner:
     """PopTorch's block → (stage id, IPU) rules for one strategy."""
 
-    def __init__(self, strategy: PipelinedExecution):
-        self.strategy = strategy
-        self.explicit = {block: (index, stage) for index, stage in enumerate(strategy.stages)
+    def __init__(self, staging: Staging):
+        self.staging = staging
+        self.explicit = {block: (index, stage.ipu_id) for index, stage in enumerate(staging.stages)
                          for block in stage.blocks}
         self.auto_ids: dict[str, int] = {}
 
     def __call__(self, block, node) -> tuple:
-        if isinstance(self.strategy, _PhasedExecution):
+        if self.staging.phased:
             return self._phased(block, node)
         if block is _IMPLICIT:
             return 0, 0
         user_id, ipu_id = block
-        if self.strategy.stages:
+        if self.staging.stages:
             if user_id not in self.explicit:
                 raise Error(f"Unknown Block '{user_id}' list of expected Blocks: {list(self.explicit)} "
                             f"(the block is used at {_where(node)})")
-            index, stage = self.explicit[user_id]
-            ipu = stage.ipu_id if stage.ipu_id is not None else ipu_id
+            index, stage_ipu = self.explicit[user_id]
+            ipu = stage_ipu if stage_ipu is not None else ipu_id
             return index, index if ipu is None else ipu
-        if self.strategy.auto_stage is AutoStage.SameAsIpu:
+        if self.staging.same_as_ipu:
             if ipu_id is None:
                 raise Error(f"poptorch.AutoStage.SameAsIpu was selected but no IPU was specified for "
                             f"block {user_id} (at {_where(node)}): give the block an ipu_id, or name "
@@ -116,15 +118,15 @@ class _StageAssigner:
         if block is _IMPLICIT:
             return (0, -1), 0
         user_id, ipu_id = block
-        found = self.strategy.phase_of(user_id)
+        found = self.staging.phase_of(user_id)
         if found is None:
             raise Error(f"Unknown Block '{user_id}' list of expected Blocks: "
-                        f"{[b for stage in self.strategy.stages for b in stage.blocks]} "
+                        f"{[b for stage in self.staging.stages for b in stage.blocks]} "
                         f"(the block is used at {_where(node)})")
         phase, position, stage = found
         order = self.auto_ids.setdefault(user_id, len(self.auto_ids))
         ipu = stage.ipu_id if stage.ipu_id is not None else ipu_id
-        return (phase, order), self.strategy.default_ipu(phase, position) if ipu is None else ipu
+        return (phase, order), self.staging.default_ipu(phase, position) if ipu is None else ipu
 
 
 def _block_of(node: torch.fx.Node):
@@ -181,12 +183,12 @@ def sources_from_export(exported: torch.export.ExportedProgram, prefix: str = ""
     return sources
 
 
-def _assign_stages(nodes, strategy: PipelinedExecution) -> tuple[dict[str, int], list[int], int, list]:
+def _assign_stages(nodes, staging: Staging) -> tuple[dict[str, int], list[int], int, list]:
     """``(stage index of each call_function node, IPU of each stage, IPU switches, phase of each
     stage)``. Stages are numbered in the order of their stage ids; the switches, in program order
     from IPU 0, give PopTorch's count of pipeline stages; phases are None but for phased
     strategies."""
-    assign = _StageAssigner(strategy)
+    assign = _StageAssigner(staging)
     stage_id, ipu_of_stage = {}, {0: 0} if not any(n.op == "call_function" for n in nodes) else {}
     switches, last_ipu = 0, 0
     for node in nodes:
@@ -206,16 +208,18 @@ def _assign_stages(nodes, strategy: PipelinedExecution) -> tuple[dict[str, int],
 
 
 def partition(graph_module: torch.fx.GraphModule, sources: Mapping[str, tuple], mutated: tuple[str, ...],
-              out_spec: torch_pytree.TreeSpec, strategy: PipelinedExecution) -> Partition:
+              out_spec: torch_pytree.TreeSpec, staging: Staging) -> Partition:
     """Split ``graph_module`` (core ATen, its nodes tagged with blocks) into stages. ``sources``
     says where each placeholder comes from; ``mutated`` names the buffers whose new values the
-    graph outputs first, ``out_spec`` is the structure of the user outputs that follow."""
+    graph outputs first, ``out_spec`` is the structure of the user outputs that follow.
+    ``staging`` is read for its ``stages`` (each with ``blocks`` and ``ipu_id``), ``same_as_ipu``,
+    ``phased``, ``phase_of`` and ``default_ipu``, which an execution strategy has too."""
     nodes = list(graph_module.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     output = next(n for n in nodes if n.op == "output")
     output_leaves = tuple(output.args[0][len(mutated):])
 
-    producer, ipu_of_stage, switches, phases = _assign_stages(nodes, strategy)
+    producer, ipu_of_stage, switches, phases = _assign_stages(nodes, staging)
     num_stages = len(ipu_of_stage)
     last = num_stages - 1
 

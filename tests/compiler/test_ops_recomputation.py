@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from ipu_backend.blocks import RECOMPUTATION_CHECKPOINT, recomputationCheckpoint
+from ipu_backend.blocks import recomputationCheckpoint
+from ipu_backend.compiler.custom_ops import RECOMPUTATION_CHECKPOINT
 from tests.compiler.harness import OpCase, case_params, check_case
 
 CASES = [

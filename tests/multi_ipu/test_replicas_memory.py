@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ipu_backend as poptorch
-from ipu_backend.runtime import memory
+from ipu_backend.options import in_force
 from ipu_backend.runtime.executor import multi_ipu_program
 from ipu_backend.runtime.weights import weight_store
 from tests.multi_ipu.models import ATOL, RTOL, TwoStages, assert_same_parameters, regression_data, torch_training, twins
@@ -148,8 +148,8 @@ def test_ipu_spec_and_memory_check_set_in_both_places_must_agree():
     opts = poptorch.Options(memory_check="off").setExecutionStrategy(
         poptorch.PipelinedExecution(memory_check="warn"))
     with pytest.raises(poptorch.Error, match="memory_check is set both"):
-        memory.in_force(opts)
-    assert memory.in_force(poptorch.Options(memory_check="warn").setExecutionStrategy(
+        in_force(opts)
+    assert in_force(poptorch.Options(memory_check="warn").setExecutionStrategy(
         poptorch.PipelinedExecution(ipu_spec=TINY))) == (TINY, "warn")
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ipu_backend as poptorch
-from ipu_backend.runtime import executor as executor_module
+from ipu_backend.runtime import lifecycle as executor_module
 
 RTOL, ATOL = 1e-5, 1e-6
 

@@ -1,8 +1,9 @@
-"""Lowerings: PopTorch's marker ops (``identity_loss``, compiler hints)."""
+"""Lowerings: PopTorch's marker ops (``identity_loss``, ``recomputationCheckpoint``, compiler hints)."""
 
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from ipu_backend.compiler.custom_ops import IDENTITY_LOSS
+from ipu_backend.compiler.custom_ops import IDENTITY_LOSS, RECOMPUTATION_CHECKPOINT, RECOMPUTATION_CHECKPOINT_NAME
 from ipu_backend.compiler.hints import HINT
 from ipu_backend.compiler.registry import lowering
 
@@ -20,3 +21,8 @@ def identity_loss(ctx, x, reduction):
 def hint(ctx, x, kind, value):
     """A Poplar planning hint (``compiler/hints.py``): the value itself."""
     return x
+
+
+@lowering(RECOMPUTATION_CHECKPOINT)
+def recomputation_checkpoint(ctx, x):
+    return checkpoint_name(x, RECOMPUTATION_CHECKPOINT_NAME)

@@ -1,0 +1,293 @@
+"""The life cycle every executor shares, whatever it compiles: a training or inference step
+(:class:`~ipu_backend.runtime.executor.PoplarExecutor`) or a manual-optimization step
+(:class:`~ipu_backend.runtime.manual.ManualStepExecutor`).
+
+Once: the options are frozen (the executor keeps its own frozen copy and reads them as
+:class:`~ipu_backend.runtime.settings.RunSettings`), the seed is drawn, the executable cache set
+up, and the module's weight store joined. Per input signature: the program is built and, ahead
+of its first call, compiled, its memory checked and the recorder told. Per call: the arguments
+placed, the program run, the state it returns kept on the device, the queued host work run while
+it computes, and the outputs brought to the host in PopTorch's shapes.
+"""
+
+import logging
+import time
+
+import jax
+import torch
+import torch.utils._pytree as torch_pytree
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ipu_backend.compiler import containers
+from ipu_backend.errors import Error
+from ipu_backend.runtime import compilation_cache, host_idle, memory, perf_counters
+from ipu_backend.runtime.devices import replica_mesh
+from ipu_backend.runtime.outputs import output_to_host
+from ipu_backend.runtime.recording import NullRecorder, ProgramFacts, StageFacts
+from ipu_backend.runtime.schedule import Schedule
+from ipu_backend.runtime.settings import RunSettings
+from ipu_backend.runtime.step import OutputLayout
+from ipu_backend.runtime.weights import release, weight_store
+from ipu_backend.runtime.xla_compile import compile_lowered
+
+logger = logging.getLogger("ipu_backend")
+
+NO_EXECUTABLE = "Model has not been compiled or has been destroyed."
+"""PopTorch's error for a query that needs a compiled model."""
+
+
+class CompiledStep:
+    """One compiled call and what the host needs to use it."""
+
+    def __init__(self, call, program, layout: OutputLayout, output_dtypes: list, log_dtypes: dict,
+                 rules: tuple = (), multi_ipu: bool = False, events: tuple | None = None):
+        self.call, self.program, self.layout = call, program, layout
+        self.output_dtypes, self.log_dtypes = output_dtypes, log_dtypes
+        self.rules = rules
+        """The optimizer rules of the program's optimizers (none for inference)."""
+        self.multi_ipu = multi_ipu
+        """A model split over IPUs: ``call`` is a :class:`~ipu_backend.runtime.multi_ipu.MultiIpuProgram`,
+        which places weights and inputs on each stage's IPUs itself and was compiled (and its
+        memory checked) when built; otherwise ``call`` is jitted, compiled ahead of its first call."""
+        self.events = events
+        """A manual-optimization step's backward passes and optimizer steps, in order."""
+        self.executable = None
+        self.facts: ProgramFacts | None = None
+        """What recorders are told of it, once compiled."""
+        self.started = time.perf_counter()
+        self.seconds = None               # from capture to executable (compilationTime)
+        self.inputs = None                # the shapes and dtypes it was compiled for (save)
+
+    @property
+    def rule(self):
+        return self.rules[0] if self.rules else None
+
+
+def input_signature(args: tuple) -> tuple:
+    """The shapes and dtypes of ``args`` (and any non-tensor values), with their structure: a
+    flat tuple of tensors, the usual call, is told apart without building a pytree spec."""
+    if all(type(x) is torch.Tensor for x in args):
+        return tuple((x.shape, x.dtype) for x in args)
+    containers.register(args)
+    leaves, spec = torch_pytree.tree_flatten(args)
+    return (spec,) + tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("const", x)
+                           for x in leaves)
+
+
+def first_micro_batch(args: tuple, schedule: Schedule) -> tuple:
+    """The first micro-batch of a combined batch: what a program is captured on."""
+    def first(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        if x.ndim == 0 or x.shape[0] == 0 or x.numel() == 0:
+            raise Error(f"inputs must have a non-empty batch dimension; got shape {tuple(x.shape)}")
+        if x.shape[0] % schedule.factor:
+            raise Error(
+                f"Invalid batch dimension: the input's batch dimension ({x.shape[0]}) must be a "
+                f"multiple of Options.deviceIterations({schedule.device_iterations}) * "
+                f"Options.replicationFactor({schedule.replicas}) * "
+                f"Options.Training.gradientAccumulation({schedule.accumulation}) = "
+                f"{schedule.factor}; resize the batch (or use poptorch.DataLoader, which "
+                "builds combined batches of the right size)")
+        return x[: x.shape[0] // schedule.factor]
+
+    return torch_pytree.tree_map(first, args)
+
+
+def optimizer_state(rule, optimizer: torch.optim.Optimizer, params: dict):
+    """The optimizer's state on the device: the one torch holds (after ``load_state_dict`` or
+    eager steps), else fresh."""
+    has_torch_state = any(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"])
+    return rule.state_from_torch(optimizer, params) if has_torch_state else rule.init(params)
+
+
+def _copy_back_inputs(result, args: tuple, indices: tuple):
+    """The model's outputs, after writing the new values of the inputs it updated in place into
+    the caller's tensors (as PopTorch does)."""
+    outputs, new_values = result
+    leaves = torch_pytree.tree_leaves(args)
+    with torch.no_grad():
+        for index, value in zip(indices, new_values):
+            leaves[index].copy_(value)
+    return outputs
+
+
+def schedule_for(settings: RunSettings, training: bool) -> Schedule:
+    """How one host call of a model with these settings is split."""
+    mode = settings.output_mode or ("final" if training else "all")
+    return Schedule(
+        device_iterations=settings.device_iterations,
+        accumulation=settings.gradient_accumulation if training else 1,
+        replicas=settings.replication_factor,
+        mean_reduction=settings.mean_reduction,
+        output_mode=mode,
+        output_period=settings.output_period,
+        dynamic_loss_scaling=training and settings.auto_loss_scaling,
+        stochastic_rounding=settings.stochastic_rounding,
+        master_weights=training and settings.master_weights)
+
+
+class Executor:
+    """The life cycle (see the module docstring); a kind of executor builds its programs
+    (:meth:`_build`) and keeps what a call returns beyond the weights (:meth:`_keep`).
+
+    ``options`` is an ``ipu_backend.Options``: the executor keeps a frozen copy
+    (``for_model(optimizer)``) and reads its ``runtime_settings()``. ``recorder`` gets the
+    executor's events (:mod:`~ipu_backend.runtime.recording`).
+    """
+
+    def __init__(self, model: torch.nn.Module, options, training: bool, step_method: str | None, recorder,
+                 optimizer=None):
+        self._options = options.for_model(optimizer)
+        self._settings: RunSettings = self._options.runtime_settings()
+        self._user_model = model
+        self._training = training
+        self._step_method = step_method
+        self._check_settings()
+        self.last_logs: dict = {}
+        """``self.log`` values of the last call (step methods), per the output mode."""
+        self.last_program = None
+        """The compiled Program that ran in the last call (its ``logs``, output shapes)."""
+        self._store = weight_store(model)
+        self._compiled: dict = {}
+        seed = self._settings.random_seed
+        self._seed = int(torch.randint(0, 2**31 - 1, ())) if seed is None else seed
+        self._key = None
+        self._calls_made = 0
+        self._schedule_value = self._make_schedule()
+        self._mesh_value = None
+        if training:
+            self._store.on_host_sync.append(self._optimizer_states_to_host)
+        compilation_cache.configure(self._settings.executable_cache_dir)
+        self._profiler = recorder if recorder is not None else NullRecorder()
+        """Where the executor reports its compilations and calls."""
+
+    @property
+    def options(self):
+        return self._options
+
+    def copyWeightsToHost(self) -> None:  # noqa: N802  (PopTorch's name)
+        self._store.sync_to_host()
+
+    def destroy(self) -> None:
+        """Release the device: weights reach the host and the module gets its own class back."""
+        release(self._user_model)
+        self._profiler.close()
+        self._compiled.clear()
+
+    # --- for each kind ---------------------------------------------------------------------
+    def _check_settings(self) -> None:
+        """Refuse settings this kind cannot honour (before anything else is set up)."""
+
+    def _make_schedule(self) -> Schedule:
+        return schedule_for(self._settings, self._training)
+
+    def _torch_optimizers(self) -> list:
+        """The torch optimizers whose state the device holds, in the order of the rules."""
+        return []
+
+    def _device_optimizer_states(self) -> tuple | None:
+        """Each optimizer's rule state on the device (None before the first training call)."""
+        return None
+
+    def _keep(self, compiled: CompiledStep, state: dict) -> None:
+        """Keep what a call returned besides the weights (optimizer state, loss scale...)."""
+
+    # --- the shared steps ------------------------------------------------------------------
+    def _schedule(self) -> Schedule:
+        return self._schedule_value
+
+    def _mesh(self):
+        """The replica mesh, made once (the options are frozen)."""
+        if self._mesh_value is None:
+            self._mesh_value = replica_mesh(self._schedule_value.replicas)
+        return self._mesh_value
+
+    def _base_key(self):
+        """Options.randomSeed when set, else a seed drawn from torch's generator (so
+        torch.manual_seed makes runs repeatable); made once, on the replica mesh. A program folds
+        in the call's index (:meth:`_next_call_index`)."""
+        if self._key is None:
+            key = jax.random.key(self._seed)
+            self._key = jax.device_put(key, NamedSharding(self._mesh(), P()))
+        return self._key
+
+    def _next_call_index(self) -> int:
+        self._calls_made += 1
+        return self._calls_made
+
+    def _ensure_executable(self, compiled: CompiledStep, call_args: tuple, optimizer_offloaded: bool = False,
+                           load=None) -> None:
+        """Compile ahead of the first call, once (or ``load(lowered)`` a saved executable), check
+        the memory, tell the recorder and say how long capture and compilation took."""
+        if compiled.executable is not None:
+            return
+        spec, check = self._settings.memory()
+        if compiled.multi_ipu:
+            executable, usage = compiled.call, compiled.call.memory
+        else:
+            executable = (load or compile_lowered)(compiled.call.lower(*call_args))
+            usage = memory.single_ipu_usage(executable, call_args[0], self._schedule().replicas // self._mesh().size,
+                                            optimizer_offloaded=optimizer_offloaded)
+            memory.check(usage, spec, check)
+        compiled.executable = executable
+        compiled.seconds = time.perf_counter() - compiled.started
+        compiled.facts = self._facts(compiled, usage, spec)
+        self._profiler.compiled(compiled.facts, call_args)
+        logger.info("compiled the %s program in %.2f s", self._kind(compiled), time.perf_counter() - compiled.started)
+
+    def _kind(self, compiled: CompiledStep) -> str:
+        return "training" if self._training else "inference"
+
+    def _facts(self, compiled: CompiledStep, usage: list, spec) -> ProgramFacts:
+        """What a recorder is told of ``compiled``."""
+        call = compiled.call
+        if compiled.multi_ipu:
+            execution, ipus, stages = call.execution, call.part.num_ipus, call.stage_facts()
+        else:
+            nodes = tuple(compiled.program.graph_module.graph.nodes)
+            execution, ipus, stages = self._execution(), 1, (StageFacts(0, 0, nodes, {"step": compiled.executable}),)
+        return ProgramFacts(training=self._training, schedule=self._schedule(), execution=execution,
+                            ipus_per_replica=ipus, stages=stages, memory=usage, ipu_spec=spec,
+                            compile_started=compiled.started, manual_passes=self._passes(compiled))
+
+    def _execution(self) -> str:
+        raise NotImplementedError
+
+    def _passes(self, compiled: CompiledStep) -> tuple[str, ...] | None:
+        return None
+
+    def _run(self, compiled: CompiledStep, call_args: tuple, args: tuple):
+        """The call itself and its tail: run, keep the state on the device, run the host work
+        queued for the device time, bring the outputs to the host (and the new values of inputs
+        the model updates in place into ``args``), and mark the times of each part."""
+        started = perf_counters.now()
+        self._profiler.inputs_on_device(call_args)
+        state, arrays, logs = compiled.executable(*call_args)
+        launched = perf_counters.now()
+        self._profiler.computed(state, arrays, logs)
+        self._keep(compiled, state)
+        self._store.update(state["params"], state["buffers"])
+        self.last_program = compiled.program
+        host_idle.run_queued()
+        jax.block_until_ready(arrays)
+        ready = perf_counters.now()
+        self.last_logs = {name: output_to_host(value, compiled.log_dtypes[name]) for name, value in logs.items()}
+        outputs = [output_to_host(a, d) for a, d in zip(arrays, compiled.output_dtypes)]
+        self._last_marks = perf_counters.CallMarks(len(args), started, launched, ready, perf_counters.now())
+        self._profiler.finished(compiled.facts, call_args)
+        result = compiled.layout.join(outputs)
+        if compiled.program.mutated_inputs:
+            result = _copy_back_inputs(result, args, compiled.program.mutated_inputs)
+        return result
+
+    def _optimizer_states_to_host(self) -> None:
+        """The optimizer state on the device, written into the torch optimizers (when the host
+        reads the weights)."""
+        compiled = next(iter(self._compiled.values()), None)
+        states = self._device_optimizer_states()
+        if states is None or compiled is None:
+            return
+        for rule, state, optimizer in zip(compiled.rules, jax.device_get(states), self._torch_optimizers()):
+            rule.state_to_torch(state, optimizer)

@@ -1,0 +1,48 @@
+"""Which of a training program's results is the loss the optimizer minimises."""
+
+import torch
+import torch.utils._pytree as torch_pytree
+
+from ipu_backend.compiler.custom_ops import IDENTITY_LOSS
+from ipu_backend.errors import Error
+
+
+def _step_result_loss(program, nodes):
+    """A Lightning step's loss: the returned tensor, or the ``"loss"`` entry of a returned dict."""
+    spec = program.output_spec.child(0)     # a step method's outputs are (result, logs)
+    leaves = program.output_leaves()[:spec.num_leaves]
+    result = torch_pytree.tree_unflatten(leaves, spec)
+    loss = result.get("loss") if isinstance(result, dict) else result
+    return loss if isinstance(loss, torch.fx.Node) and loss in nodes else None
+
+
+def find_loss(program, step_method: bool = False) -> int:
+    """Index, among the array results, of the loss: the output of ``identity_loss`` if the model
+    uses it; for a step method, the returned tensor or its ``"loss"`` entry; otherwise the only
+    scalar float output (PopTorch's rule for returned losses)."""
+    nodes = program.result_arrays()
+    marked = [n for n in program.graph_module.graph.nodes if n.target is IDENTITY_LOSS]
+    if len(marked) > 1:
+        raise Error(f"the model has {len(marked)} independent losses (identity_loss at "
+                    f"{', '.join(program.source_locations.get(n.name) or '?' for n in marked)}); "
+                    "combine them into one, e.g. identity_loss(loss_a + loss_b, reduction='none')")
+    if marked:
+        if marked[0] not in nodes:
+            raise Error("the identity_loss result must be returned by the model's forward "
+                        f"(it is computed at {program.source_locations.get(marked[0].name)})")
+        return nodes.index(marked[0])
+    if step_method:
+        loss = _step_result_loss(program, nodes)
+        if loss is None:
+            raise Error("training_step must return the loss: a scalar tensor or a dict with a "
+                        "'loss' entry (manual optimization is not supported by this executor)")
+        return nodes.index(loss)
+    scalars = [i for i, n in enumerate(nodes)
+               if n.meta["val"].ndim == 0 and n.meta["val"].is_floating_point()]
+    if len(scalars) == 1:
+        return scalars[0]
+    if not scalars:
+        raise Error("a training model must return its loss: return a scalar loss from forward "
+                    "(for example `return output, loss`) or mark it with poptorch.identity_loss")
+    raise Error(f"the model returns {len(scalars)} scalar outputs, so which one is the loss is "
+                "ambiguous: mark the loss with poptorch.identity_loss(loss, reduction='none')")
