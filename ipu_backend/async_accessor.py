@@ -8,7 +8,9 @@ valid. ``sharing_strategy`` and ``miss_sleep_time_in_ms`` are accepted and have 
 
 from typing import Any
 
-from ipu_backend.data import DataLoader, _PrefetchIterator, _rebatch
+from ipu_backend.data import DataLoader
+from ipu_backend.data.prefetch import PrefetchIterator
+from ipu_backend.data.rebatching import rebatch
 from ipu_backend.enums import DataLoaderMode, SharingStrategy
 from ipu_backend.errors import Error
 
@@ -62,8 +64,8 @@ class AsynchronousDataAccessor:
             self._iterator.close()
         items = iter(self._dataset)
         if self.rebatched_size is not None:
-            items = _rebatch(items, self.rebatched_size, drop_last=True)
-        self._iterator = _PrefetchIterator(items, depth or self._buffer_size)
+            items = rebatch(items, self.rebatched_size, drop_last=True)
+        self._iterator = PrefetchIterator(items, depth or self._buffer_size)
         self._fresh, self._first = True, None
 
     def terminate(self) -> None:

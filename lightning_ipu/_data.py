@@ -14,7 +14,7 @@ import warnings
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 import ipu_backend
-from ipu_backend.errors import Error
+from ipu_backend import Error
 
 _PASSED_THROUGH = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
                    "multiprocessing_context", "generator", "persistent_workers")

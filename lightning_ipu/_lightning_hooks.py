@@ -1,4 +1,4 @@
-"""Every use of Lightning internals, in one place, checked against the Lightning version.
+"""Every use of Lightning internals, checked against the Lightning version.
 
 Lightning has no public hook for two things this plugin needs:
 
@@ -9,7 +9,8 @@ Lightning has no public hook for two things this plugin needs:
    :class:`IPUPrecision` (and an ``IPUStrategy`` with ``accelerator="auto"`` the IPU accelerator).
 2. **Counting optimizer steps.** One host call runs ``device_iterations`` optimizer steps, but the
    loop counts one per batch; the extra steps are added to the loop's optimizer-step progress
-   (``trainer.global_step``) and to the step loggers use.
+   (``trainer.global_step``) and to the step loggers use (``_loop_progress.py``, which the
+   strategy calls; it imports nothing of Lightning).
 """
 
 import functools
@@ -18,6 +19,10 @@ import warnings
 from lightning.pytorch import __version__ as lightning_version
 from lightning.pytorch.trainer.connectors import accelerator_connector
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from .accelerator import IPUAccelerator
+from .precision import SUPPORTED_PRECISIONS, IPUPrecision
+from .strategy import IPUStrategy
 
 TESTED_VERSIONS = ("2.6",)
 """Lightning ``major.minor`` versions whose internals these hooks were written and tested for."""
@@ -56,10 +61,6 @@ def route_ipu_flags() -> None:
 
 
 def _route_to_ipu(connector) -> None:
-    from .accelerator import IPUAccelerator
-    from .precision import SUPPORTED_PRECISIONS, IPUPrecision
-    from .strategy import IPUStrategy
-
     strategy, accelerator = connector._strategy_flag, connector._accelerator_flag
     ipu_strategy = isinstance(strategy, IPUStrategy) or strategy == IPUStrategy.strategy_name
     ipu_accelerator = isinstance(accelerator, IPUAccelerator) or accelerator == IPUAccelerator.name()
@@ -84,18 +85,3 @@ def _route_to_ipu(connector) -> None:
         raise MisconfigurationException(
             f"the precision plugin {type(plugin).__name__} does not run on IPUs; pass "
             f"precision=... (one of {', '.join(SUPPORTED_PRECISIONS)}) or an IPUPrecision")
-
-
-def count_extra_optimizer_steps(trainer, optimizer_steps: int, batches: int) -> None:
-    """Add ``optimizer_steps`` to the loop's optimizer-step progress (``trainer.global_step``; the
-    optimizer steps of automatic optimization, every ``optimizer.step()`` of manual optimization)
-    and ``batches`` to the batches that stepped (the step loggers record at)."""
-    epoch_loop = trainer.fit_loop.epoch_loop
-    if trainer.lightning_module.automatic_optimization:
-        progress = epoch_loop.automatic_optimization.optim_progress.optimizer.step
-    else:
-        progress = epoch_loop.manual_optimization.optim_step_progress
-    for _ in range(optimizer_steps):
-        progress.increment_ready()
-        progress.increment_completed()
-    epoch_loop._batches_that_stepped += batches

@@ -1,6 +1,6 @@
 """torchmetrics objects used in a compiled step, brought up to date on the host after each call.
 
-The step's program returns each metric state it updated (``ipu_backend.compiler.metric_states``)
+The step's program returns each metric state it updated (see ``ipu_backend.compiler.metric_states``)
 twice: reduced over every micro-batch of the call and per replica (``<key>:total``), and per
 micro-batch the output mode returns. After the call, as DDP's ``sync`` would, the totals are
 reduced over the replicas with the state's ``dist_reduce_fx`` and merged into the metric's
@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import torch
 
-from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, metrics_of
+from ipu_backend.lightning_seam import TOTAL_SUFFIX, metrics_of
 
 _REDUCE = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}
 _MERGE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}

@@ -25,17 +25,9 @@ from collections.abc import Callable
 import torch
 import torch.utils._pytree as torch_pytree
 
-from ipu_backend.errors import Error
+from ipu_backend import Error
 
 _REDUCTIONS: dict = {"mean": torch.mean, "sum": torch.sum, "max": torch.max, "min": torch.min}
-
-
-def micro_shapes(program) -> list:
-    """Per-micro-batch shape of each leaf of the step's result (None for a constant leaf)."""
-    output = next(n for n in program.graph_module.graph.nodes if n.op == "output")
-    leaves = list(output.args[0][len(program.mutated_buffers):])
-    count = program.output_spec.child(0).num_leaves
-    return [leaf.meta["val"].shape if isinstance(leaf, torch.fx.Node) else None for leaf in leaves[:count]]
 
 
 def _combine(value, shape, micro_batch_size: int):
@@ -52,7 +44,7 @@ def _combine(value, shape, micro_batch_size: int):
 def combine_outputs(result, program, micro_batch_size: int):
     """The step's result for the whole combined batch (see the module docstring)."""
     leaves, spec = torch_pytree.tree_flatten(result)
-    shapes = micro_shapes(program)
+    shapes = program.result_shapes()          # per micro-batch; None for a constant leaf
     combined = [_combine(value, shape, micro_batch_size) for value, shape in zip(leaves, shapes)]
     return torch_pytree.tree_unflatten(combined, spec)
 

@@ -11,14 +11,13 @@
 
 from typing import Any
 
-import jax
 import torch
 from typing_extensions import override
 
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from ipu_backend.hardware import MK2
+from ipu_backend.lightning_seam import MK2, memory_in_use
 
 MAX_IPUS_PER_HOST = 64
 """An IPU-POD64's IPUs: the most one host process drives."""
@@ -47,15 +46,10 @@ class IPUAccelerator(Accelerator):
     def get_device_stats(self, device: Any) -> dict[str, Any]:
         """Memory in use on each emulated IPU (weights, optimizer state and the arrays of the
         last call that are still alive), against an IPU's In-Processor-Memory."""
-        devices = jax.devices()
-        used = {d: 0 for d in devices}
-        for array in jax.live_arrays():
-            for shard in array.addressable_shards:
-                if shard.device in used:
-                    used[shard.device] += shard.data.nbytes
+        used = memory_in_use()
         stats = {}
         for ipu in range(self._ipus):
-            in_use = used[devices[ipu % len(devices)]]
+            in_use = used[ipu % len(used)]
             stats[f"ipu{ipu}/memory_used_bytes"] = in_use
             stats[f"ipu{ipu}/memory_percent"] = 100.0 * in_use / MK2.memory_bytes
         return stats

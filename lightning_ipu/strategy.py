@@ -34,7 +34,7 @@ values, ``compute()`` and ``reset()`` behave as on the CPU. Metrics with list st
 a message; argument checks (``validate_args``) are skipped inside the step.
 
 Manual optimization (``automatic_optimization = False``, any number of optimizers) is compiled
-whole by ``ipu_backend.runtime.manual``: the step's ``manual_backward``, ``zero_grad``,
+whole (``ipu_backend.lightning_seam.manual_step_executor``): the step's ``manual_backward``, ``zero_grad``,
 ``clip_gradients`` and ``optimizer.step()`` calls become one program, every ``optimizer.step()``
 counts in ``global_step`` as on the CPU, schedulers the step steps are stepped on the host
 between its training steps (each of a call's ``device_iterations`` steps gets its own learning
@@ -72,14 +72,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import ipu_backend
-from ipu_backend import profiling
-from ipu_backend.blocks import _BeginBlockHook
-from ipu_backend.runtime.clipping import GradientClipping
-from ipu_backend.runtime.executor import PoplarExecutor
-from ipu_backend.runtime.manual import ManualStepExecutor, SchedulerStep, Step
-from lightning_ipu import _data, _metrics, _outputs
+from ipu_backend import lightning_seam as seam
+from lightning_ipu import _data, _loop_progress, _metrics, _outputs
 
-from . import _lightning_hooks
 from .precision import IPUPrecision
 
 _HOST_TRANSFER_HOOKS = ("transfer_batch_to_device", "on_after_batch_transfer")
@@ -151,9 +146,9 @@ class IPUStrategy(ParallelStrategy):
         self._user_inference_opts = _as_options(inference_opts, "inference_opts")
         self._training_opts: ipu_backend.Options | None = None
         self._inference_opts: ipu_backend.Options | None = None
-        self._executors: dict[str, PoplarExecutor] = {}
+        self._executors: dict[str, seam.PoplarExecutor] = {}
         self._reads_batch_idx: dict[str, bool] = {}
-        self._gradient_clipping: GradientClipping | None = None
+        self._gradient_clipping: seam.GradientClipping | None = None
         self._trainer = None
         self._accumulate_grad_batches: int | None = None
 
@@ -260,7 +255,7 @@ class IPUStrategy(ParallelStrategy):
             with torch.random.fork_rng(devices=[]):       # Options.randomSeed also seeds torch
                 options.randomSeed(_default_seed())
         if self.autoreport and options.profiling_dir is None:
-            options.enableProfiling(self.autoreport_dir or os.path.join(os.getcwd(), profiling.DEFAULT_DIR))
+            options.enableProfiling(self.autoreport_dir or os.path.join(os.getcwd(), seam.DEFAULT_REPORT_DIR))
         _check_replicas(options.replication_factor, options.auto_round_num_ipus,
                         f"IPUStrategy {'training' if training else 'inference'} options")
         return options
@@ -336,7 +331,7 @@ class IPUStrategy(ParallelStrategy):
         clip_val = trainer.gradient_clip_val
         if clip_val is not None and clip_val > 0:
             algorithm = GradClipAlgorithmType(trainer.gradient_clip_algorithm or "norm").value
-            self._gradient_clipping = GradientClipping(float(clip_val), algorithm)
+            self._gradient_clipping = seam.GradientClipping(float(clip_val), algorithm)
         self.precision_plugin.gradient_clipping = None if self._gradient_clipping is None else (
             self._gradient_clipping.value, self._gradient_clipping.algorithm)
 
@@ -370,7 +365,7 @@ class IPUStrategy(ParallelStrategy):
             output = self._run("training_step", args, kwargs)
         iterations = self._training_opts.device_iterations
         if self.lightning_module.automatic_optimization:
-            _lightning_hooks.count_extra_optimizer_steps(self._trainer, iterations - 1, iterations - 1)
+            _loop_progress.count_extra_optimizer_steps(self._trainer, iterations - 1, iterations - 1)
         else:
             self._after_manual_step(self._executors["training_step"].last_events, iterations)
         return output
@@ -407,20 +402,18 @@ class IPUStrategy(ParallelStrategy):
         self._log(program, executor.last_logs, metrics)
         return _outputs.combine_outputs(result, program, _micro_batch_size(args[0], factor))
 
-    def _executor(self, method: str) -> PoplarExecutor:
+    def _executor(self, method: str) -> seam.PoplarExecutor:
         executor = self._executors.get(method)
         if executor is None and method == "training_step" and not self.lightning_module.automatic_optimization:
-            executor = self._executors[method] = ManualStepExecutor(
+            executor = self._executors[method] = seam.manual_step_executor(
                 self.lightning_module, self._training_opts, self.optimizers, method,
-                self._manual_calls_recorded, self._step_schedulers,
-                recorder=profiling.recorder_for(self._training_opts, True, method))
+                self._manual_calls_recorded, self._step_schedulers)
         if executor is None:
             training = method == "training_step"
-            options = self._training_opts if training else self._inference_opts
-            executor = PoplarExecutor(
-                self.lightning_module, options, training, optimizer=self.optimizers[0] if training else None,
-                step_method=method, gradient_clipping=self._gradient_clipping if training else None,
-                recorder=profiling.recorder_for(options, training, method))
+            executor = seam.step_executor(
+                self.lightning_module, self._training_opts if training else self._inference_opts, method,
+                training, optimizer=self.optimizers[0] if training else None,
+                gradient_clipping=self._gradient_clipping if training else None)
             self._executors[method] = executor
         return executor
 
@@ -474,8 +467,8 @@ class IPUStrategy(ParallelStrategy):
 
     def _after_manual_step(self, events: tuple, iterations: int) -> None:
         """What Lightning would have seen: each ``optimizer.step()`` counted (``global_step``)."""
-        steps = sum(isinstance(event, Step) for event in events)
-        _lightning_hooks.count_extra_optimizer_steps(self._trainer, steps * iterations, iterations - 1)
+        steps = sum(isinstance(event, seam.Step) for event in events)
+        _loop_progress.count_extra_optimizer_steps(self._trainer, steps * iterations, iterations - 1)
 
     def _step_schedulers(self, events: tuple) -> None:
         """The schedulers one manual training step stepped, stepped on the host (the executor
@@ -483,7 +476,7 @@ class IPUStrategy(ParallelStrategy):
         for optimizer in self.optimizers:
             optimizer._opt_called = True       # stepped on the IPUs (see IPUPrecision.optimizer_step)
         for event in events:
-            if isinstance(event, SchedulerStep):
+            if isinstance(event, seam.SchedulerStep):
                 self.lr_scheduler_configs[event.scheduler].scheduler.step()
 
     def _with_batch_index(self, method: str, args: tuple, factor: int) -> tuple:
@@ -532,10 +525,7 @@ class IPUStrategy(ParallelStrategy):
 
 def _ipus_per_replica(module: torch.nn.Module) -> int:
     """The IPUs that ``BeginBlock(..., ipu_id=...)`` annotations of ``module`` place layers on."""
-    ids = {hook.ipu_id for sub in module.modules() for hook in sub._forward_pre_hooks.values()
-           if isinstance(hook, _BeginBlockHook)}
-    ids.discard(None)
-    return max(ids, default=0) + 1
+    return max(seam.annotated_ipu_ids(module), default=0) + 1
 
 
 def _micro_batch_size(batch: Any, factor: int) -> int | None:

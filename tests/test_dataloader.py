@@ -17,8 +17,9 @@ from torch.utils.data import (
     TensorDataset,
 )
 
-from ipu_backend import Error, data, inferenceModel
+from ipu_backend import Error, inferenceModel
 from ipu_backend.data import DataLoader
+from ipu_backend.data import gather as data
 from ipu_backend.enums import DataLoaderMode
 from ipu_backend.options import FrozenOptionsError, InvalidArgument, Options, WrongArgumentType
 from ipu_backend.runtime import host_idle

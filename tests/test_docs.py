@@ -18,7 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [
     "index.html", "getting-started.html", "lightning.html", "poptorch-compatibility.html", "emulation.html",
-    "performance.html", "reports.html", "limitations.html", "api/ipu_backend.html", "api/lightning_ipu.html",
+    "performance.html", "reports.html", "limitations.html", "architecture.html", "api/ipu_backend.html",
+    "api/lightning_ipu.html",
 ]
 
 
@@ -55,7 +56,7 @@ def test_page_is_built(site, page):
 
 @pytest.mark.parametrize("source, name", [
     ("ipu_backend/options.py", "Options"), ("ipu_backend/models.py", "trainingModel"),
-    ("ipu_backend/runtime/executor.py", "PoplarExecutor"), ("ipu_backend/data.py", "DataLoader"),
+    ("ipu_backend/runtime/executor.py", "PoplarExecutor"), ("ipu_backend/data/loader.py", "DataLoader"),
     ("ipu_backend/blocks.py", "BeginBlock"), ("ipu_backend/blocks.py", "PipelinedExecution"),
     ("ipu_backend/hardware.py", "IpuSpec"),
 ])

@@ -37,3 +37,15 @@ def replica_mesh(replicas: int) -> Mesh:
                       "IPU_BACKEND_CPU_DEVICES before the first JAX computation for one device each.",
                       stacklevel=3)
     return Mesh(np.array(available[:count]), (REPLICA,))
+
+
+def memory_in_use() -> list[int]:
+    """Bytes of the live arrays on each JAX device (weights, optimizer state and whatever else is
+    still alive), in ``jax.devices()`` order."""
+    devices = jax.devices()
+    used = {d: 0 for d in devices}
+    for array in jax.live_arrays():
+        for shard in array.addressable_shards:
+            if shard.device in used:
+                used[shard.device] += shard.data.nbytes
+    return [used[d] for d in devices]

@@ -3,33 +3,21 @@
 One run of the model consumes ``device_iterations x replication_factor x gradient_accumulation``
 micro-batches of ``batch_size`` samples; the loader yields them concatenated along dim 0, in the
 order the runtime splits them. ``DataLoaderMode.Async`` fetches the next combined batch on a
-background thread while the device computes.
-
-Combined batches of a ``TensorDataset`` (or of ``Subset``\\ s of one) are gathered by indexing
-each tensor once instead of one ``__getitem__`` per sample (a sequential sampler's batches are
-row ranges, copied without listing their indices); a dataset with ``__getitems__`` gets one call
-per combined batch (as torch's own fetcher does).
+background thread while the device computes (:mod:`~ipu_backend.data.prefetch`); a
+``TensorDataset``'s are gathered by indexing its tensors (:mod:`~ipu_backend.data.gather`).
 """
 
-import queue
-import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
-from torch.utils.data import (
-    BatchSampler,
-    IterableDataset,
-    Sampler,
-    SequentialSampler,
-    Subset,
-    TensorDataset,
-    default_collate,
-)
+from torch.utils.data import IterableDataset, Sampler
 
+from ipu_backend.data.gather import gather, row_selections, tensor_source
+from ipu_backend.data.prefetch import FetchAhead, PrefetchIterator
+from ipu_backend.data.rebatching import rebatch
 from ipu_backend.enums import DataLoaderMode
 from ipu_backend.options import (
     InvalidArgument,
@@ -39,7 +27,6 @@ from ipu_backend.options import (
     _int_at_least,
     parse_member,
 )
-from ipu_backend.runtime import host_idle
 
 _ASYNC_OPTIONS = ("buffer_size", "miss_sleep_time_in_ms", "load_indefinitely", "early_preload",
                   "sharing_strategy")
@@ -116,7 +103,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self._combined_batch_size = combined
         self._mode = mode
         self._buffer_size = buffer_size
-        self._prefetchers: weakref.WeakSet[_PrefetchIterator] = weakref.WeakSet()
+        self._prefetchers: weakref.WeakSet[PrefetchIterator] = weakref.WeakSet()
         self._rebatch_size = None
         self._rebatch_drop_last = drop_last
 
@@ -164,7 +151,7 @@ class DataLoader(torch.utils.data.DataLoader):
         if self._mode is DataLoaderMode.Sync:
             return self._sync_batches(ahead=True)
         batches = self._sync_batches()
-        prefetcher = _PrefetchIterator(batches, self._buffer_size)
+        prefetcher = PrefetchIterator(batches, self._buffer_size)
         self._prefetchers.add(prefetcher)
         return prefetcher
 
@@ -175,36 +162,21 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def _sync_batches(self, ahead: bool = False) -> Iterator[Any]:
         """The combined batches, fetched by the thread that iterates them; with ``ahead``, a
-        TensorDataset's are fetched one ahead, while the devices compute (:class:`_FetchAhead`)."""
+        TensorDataset's are fetched one ahead, while the devices compute
+        (:class:`~ipu_backend.data.prefetch.FetchAhead`)."""
         if self._rebatch_size is not None:
-            return _rebatch(super().__iter__(), self._rebatch_size, self._rebatch_drop_last)
-        source = self._tensor_source()
+            return rebatch(super().__iter__(), self._rebatch_size, self._rebatch_drop_last)
+        source = tensor_source(self)
         if source is None:
             return super().__iter__()
         # torch's iterators first draw their workers' base seed from the loader's generator; so
         # does this one, for the sampler to shuffle exactly as it does on torch's path.
         torch.empty((), dtype=torch.int64).random_(generator=self.generator)
         tensors, positions = source
-        selections = _row_selections(positions, self.batch_sampler)
+        selections = row_selections(positions, self.batch_sampler)
         if ahead:
-            return _FetchAhead(tensors, selections)
-        return (_gather(tensors, rows) for rows in selections)
-
-    def _tensor_source(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None] | None:
-        """The tensors of the TensorDataset behind ``self.dataset`` and the positions in them of
-        the dataset's samples (None: all, in order), when batches can be gathered from them
-        directly: torch's default collation in this process, unpinned."""
-        if (self.batch_sampler is None or self.collate_fn is not default_collate
-                or self.num_workers > 0 or self.pin_memory):
-            return None
-        dataset, positions = self.dataset, None
-        while type(dataset) is Subset:
-            indices = torch.as_tensor(dataset.indices, dtype=torch.long)
-            positions = indices if positions is None else indices[positions]
-            dataset = dataset.dataset
-        if type(dataset) is not TensorDataset:
-            return None
-        return dataset.tensors, positions
+            return FetchAhead(tensors, selections)
+        return (gather(tensors, rows) for rows in selections)
 
 
 def _buffer_size(async_options: Mapping[str, Any] | None) -> int:
@@ -270,229 +242,3 @@ class _CombinedBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         whole, rest = divmod(len(self.batch_sampler), self.count)
         return whole + (1 if rest and not self.drop_last else 0)
-
-
-_NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.int8, torch.int16,
-                           torch.int32, torch.int64, torch.uint8, torch.bool})
-
-
-def _rows(tensor: torch.Tensor, rows: slice | np.ndarray) -> torch.Tensor:
-    """``tensor[rows]`` as a new tensor. Copied by numpy where it can be: a single-threaded
-    memcpy or gather, where torch's ``index_select``/``clone`` of a combined batch go through its
-    intra-op thread pool, which costs milliseconds when the host's cores are busy."""
-    if (tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.requires_grad
-            or tensor.dtype not in _NUMPY_DTYPES):
-        if isinstance(rows, slice):
-            return tensor[rows].clone()
-        return tensor.index_select(0, torch.from_numpy(rows))
-    host = tensor.numpy()[rows]
-    return torch.from_numpy(host.copy() if isinstance(rows, slice) else host)
-
-
-def _sequential_ranges(batch_sampler: Any) -> Iterator[slice] | None:
-    """The row ranges of torch's ``BatchSampler`` over a ``SequentialSampler`` (None for any
-    other sampler), without building its lists of indices."""
-    if type(batch_sampler) is not BatchSampler or type(batch_sampler.sampler) is not SequentialSampler:
-        return None
-    count, size = len(batch_sampler.sampler), batch_sampler.batch_size
-    stop = count - count % size if batch_sampler.drop_last else count
-    return (slice(start, min(start + size, stop)) for start in range(0, stop, size))
-
-
-def _row_selections(positions: torch.Tensor | None,
-                    batch_sampler: Iterable[Sequence[int]]) -> Iterator[slice | np.ndarray]:
-    """The rows of the dataset's tensors that each combined batch gathers (``positions``: where
-    the dataset's samples are in them, None for all in order)."""
-    positions = None if positions is None else positions.numpy()
-    ranges = _sequential_ranges(batch_sampler)
-    if ranges is not None:
-        for rows in ranges:
-            yield rows if positions is None else positions[rows]
-        return
-    for indices in batch_sampler:
-        rows = np.asarray(indices, dtype=np.int64)
-        yield rows if positions is None else positions[rows]
-
-
-def _gather(tensors: tuple[torch.Tensor, ...], rows: slice | np.ndarray) -> list[torch.Tensor]:
-    """What torch's default collation of the samples at ``rows`` gives (a list with one stacked
-    tensor per dataset tensor), by one indexing per tensor."""
-    return [_rows(tensor, rows) for tensor in tensors]
-
-
-def _unsupported_batch(batch: Any) -> WrongArgumentType:
-    return WrongArgumentType(
-        "AsyncRebatched needs batches of tensors, or of lists, tuples or dicts of tensors; got "
-        f"a {type(batch).__name__}")
-
-
-def _length(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return len(batch)
-    items = list(batch.values()) if isinstance(batch, Mapping) else batch
-    if isinstance(items, (list, tuple)) and items:
-        return _length(items[0])
-    raise _unsupported_batch(batch)
-
-
-def _rebuild(like: list | tuple, parts: Iterable[Any]) -> list | tuple:
-    parts = list(parts)
-    return type(like)(*parts) if hasattr(like, "_fields") else type(like)(parts)
-
-
-def _concat(batches: list[Any]) -> Any:
-    first = batches[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(batches)
-    if isinstance(first, Mapping):
-        return type(first)({key: _concat([b[key] for b in batches]) for key in first})
-    if isinstance(first, (list, tuple)):
-        return _rebuild(first, (_concat(list(items)) for items in zip(*batches)))
-    raise _unsupported_batch(first)
-
-
-def _slice(batch: Any, start: int, stop: int) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[start:stop]
-    if isinstance(batch, Mapping):
-        return type(batch)({key: _slice(value, start, stop) for key, value in batch.items()})
-    if isinstance(batch, (list, tuple)):
-        return _rebuild(batch, (_slice(item, start, stop) for item in batch))
-    raise _unsupported_batch(batch)
-
-
-def _rebatch(batches: Iterator[Any], size: int, drop_last: bool) -> Iterator[Any]:
-    """Cut the concatenation of ``batches`` into batches of ``size`` samples."""
-    pending: list[Any] = []
-    count = 0
-    for batch in batches:
-        pending.append(batch)
-        count += _length(batch)
-        while count >= size:
-            merged = _concat(pending)
-            yield _slice(merged, 0, size)
-            count -= size
-            pending = [_slice(merged, size, size + count)] if count else []
-    if pending and not drop_last:
-        yield _concat(pending)
-
-
-_BATCH, _END, _ERROR = "batch", "end", "error"
-
-
-def _produce(batches: Iterator[Any], out: queue.Queue, stop: threading.Event) -> None:
-    """Background thread: put each batch in ``out``, then the end or the error that stopped it;
-    return as soon as ``stop`` is set."""
-    try:
-        for batch in batches:
-            if stop.is_set():
-                return
-            out.put((_BATCH, batch))
-            if stop.is_set():
-                return
-        message = (_END, None)
-    except Exception as error:  # re-raised by the consuming thread, in the user's loop
-        message = (_ERROR, error)
-    if not stop.is_set():
-        out.put(message)
-
-
-def _stop_producer(out: queue.Queue, stop: threading.Event) -> None:
-    """Tell the producer to stop, and empty its queue so that a blocked ``put`` returns."""
-    stop.set()
-    while True:
-        try:
-            out.get_nowait()
-        except queue.Empty:
-            return
-
-
-class _FetchAhead:
-    """Yields the batches of a TensorDataset's ``tensors`` at each of ``selections``; handing one
-    out queues the fetch of the next to run while the devices compute
-    (:mod:`ipu_backend.runtime.host_idle`), where a training loop's thread would otherwise wait,
-    so that its next ``next()`` finds the batch ready. Fetching runs no user code, and a batch
-    whose tensors were changed in place since its fetch (their version counters moved) is
-    fetched again, so the batches are those a fetch on demand gives."""
-
-    def __init__(self, tensors: tuple[torch.Tensor, ...], selections: Iterator[slice | np.ndarray]):
-        self._tensors = tensors
-        self._selections = selections
-        self._fetched: tuple[str, Any] | None = None
-        self._lock = threading.Lock()     # the queued fetch runs on whichever thread calls a model
-
-    def __iter__(self) -> "_FetchAhead":
-        return self
-
-    def __next__(self) -> Any:
-        with self._lock:
-            self._fetch_locked()
-            kind, payload = self._fetched
-            if kind != _END:
-                self._fetched = None
-        if kind == _ERROR:
-            raise payload
-        if kind == _END:
-            raise StopIteration
-        rows, versions, batch = payload
-        if versions != self._versions():
-            batch = _gather(self._tensors, rows)
-        host_idle.queue(self)
-        return batch
-
-    def run_idle(self) -> None:
-        """Fetch the next batch now (the devices are computing)."""
-        with self._lock:
-            self._fetch_locked()
-
-    def _fetch_locked(self) -> None:
-        if self._fetched is not None:
-            return
-        try:
-            rows = next(self._selections)
-            self._fetched = (_BATCH, (rows, self._versions(), _gather(self._tensors, rows)))
-        except StopIteration:
-            self._fetched = (_END, None)
-        except Exception as error:  # re-raised by __next__, in the user's loop
-            self._fetched = (_ERROR, error)
-
-    def _versions(self) -> tuple[int, ...]:
-        return tuple(tensor._version for tensor in self._tensors)
-
-
-class _PrefetchIterator:
-    """Yields ``batches`` as fetched by a background thread, up to ``depth`` batches ahead.
-
-    The thread ends with the iteration, on :meth:`close`, or when this iterator is garbage
-    collected (an abandoned loop); it then stops after the fetch under way.
-    """
-
-    def __init__(self, batches: Iterator[Any], depth: int) -> None:
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        stop = threading.Event()
-        self._thread = threading.Thread(target=_produce, args=(batches, self._queue, stop),
-                                        name="ipu_backend.DataLoader prefetch", daemon=True)
-        self._stop_producer = weakref.finalize(self, _stop_producer, self._queue, stop)
-        self._finished = False
-        self._thread.start()
-
-    def __iter__(self) -> "_PrefetchIterator":
-        return self
-
-    def __next__(self) -> Any:
-        if self._finished:
-            raise StopIteration
-        kind, payload = self._queue.get()
-        if kind == _BATCH:
-            return payload
-        self.close()
-        if kind == _ERROR:
-            raise payload
-        raise StopIteration
-
-    def close(self) -> None:
-        """Stop fetching and wait for the thread to end."""
-        self._finished = True
-        self._stop_producer()
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
