@@ -1,8 +1,10 @@
 """A compiled program: a pure JAX step function plus what a runtime needs to drive it."""
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import jax
 import torch
 import torch.utils._pytree as torch_pytree
 from torch.export.graph_signature import InputKind, OutputKind
@@ -11,6 +13,12 @@ from ipu_backend.compiler import capture, interpreter
 from ipu_backend.compiler.dtypes import to_jax
 from ipu_backend.compiler.sources import user_location
 from ipu_backend.errors import Error
+
+
+CAPTURE_EVENT = "/ipu_backend/compiler/capture"
+"""The ``jax.monitoring`` event (a duration and a time span) that :func:`compile_module` records
+for each capture: torch.export and the decomposition to core ATen. JAX records its own phases
+(``/jax/core/compile/...``: tracing, MLIR lowering, XLA compilation) alike."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +104,11 @@ class Program:
 def compile_module(module: torch.nn.Module, example_args: tuple, method: str | None = None) -> Program:
     """Capture ``module(*example_args)`` (or ``module.<method>(*example_args)``) as a Program."""
     target = module if method is None else capture.StepCall(module, method)
+    start = time.time()
     exported = capture.export(target, tuple(example_args))
+    end = time.time()
+    jax.monitoring.record_event_duration_secs(CAPTURE_EVENT, end - start)
+    jax.monitoring.record_event_time_span(CAPTURE_EVENT, start, end)
     missing = interpreter.unsupported_ops(exported.graph_module)
     if missing:
         listing = "\n".join(f"  {op} at {where}" for op, where in missing)
