@@ -607,6 +607,7 @@ class Options(_OptionGroup):
             profiling_dir: str | None = None,
             ipu_spec: IpuSpec = MK2,
             memory_check: str = DEFAULT_CHECK,
+            loop_repeated_layers: bool = True,
     ) -> None:
         shared = _SharedState()
         super().__init__(shared, execution_strategy=None, random_seed=None, profiling_dir=None)
@@ -642,6 +643,7 @@ class Options(_OptionGroup):
             self.enableProfiling(profiling_dir)
         self.setIpuSpec(ipu_spec)
         self.setMemoryCheck(memory_check)
+        self.loopRepeatedLayers(loop_repeated_layers)
 
     # Option groups, as PopTorch's properties.
 
@@ -698,6 +700,8 @@ class Options(_OptionGroup):
     ipu_spec = _emulated("ipu_spec", "The IpuSpec of each emulated IPU (Mk2 by default).")
     memory_check = _emulated(
         "memory_check", "What a model too large for its IPUs gets: 'error', 'warn' or 'off'.")
+    loop_repeated_layers = _emulated(
+        "loop_repeated_layers", "Whether runs of identical layers compile once, as one loop.")
 
     # PopTorch's setters for emulated settings.
 
@@ -792,6 +796,16 @@ class Options(_OptionGroup):
         ``"error"`` (the default: ``poptorch.OutOfMemoryError`` listing each IPU's usage),
         ``"warn"`` (the same message as a warning, and the model runs) or ``"off"``."""
         self._values["memory_check"] = _memory_check(memory_check)
+        return self
+
+    @_unless_frozen
+    def loopRepeatedLayers(self, enabled: bool = True) -> Self:
+        """Beyond PopTorch: runs of structurally identical layers (the blocks of an
+        ``nn.Sequential`` or ``nn.ModuleList``, ``nn.TransformerEncoder``'s layers) are captured
+        once and compiled as one loop over their weights (on by default), so that compile time
+        does not grow with depth; the numbers are the same either way. ``False`` compiles every
+        layer inline."""
+        self._values["loop_repeated_layers"] = _bool(enabled, "loop_repeated_layers")
         return self
 
     # PopTorch settings that would change the numbers and are not emulated.

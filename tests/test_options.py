@@ -49,6 +49,7 @@ def test_defaults_read_back_as_poptorch():
     assert opts.auto_round_num_ipus is False
     assert opts.broadcast_buffers is True
     assert opts.profiling_dir is None
+    assert opts.loop_repeated_layers is True
     assert opts.Distributed.numProcesses == 1 and opts.Distributed.processId == 0
 
 
@@ -106,6 +107,11 @@ def test_keywords_equal_method_form_and_strings_are_case_insensitive():
     assert Options(reduction_type=ReductionType.Sum) == Options(reduction_type="sum")
 
 
+def test_loop_repeated_layers_in_both_forms():
+    assert Options(loop_repeated_layers=False) == Options().loopRepeatedLayers(False) != Options()
+    assert Options().loopRepeatedLayers(False).loopRepeatedLayers().loop_repeated_layers is True
+
+
 def test_every_n_needs_a_positive_period():
     for period in (None, 0, -2, 1.5):
         with pytest.raises(InvalidArgument, match="EveryN anchor must have output_return_period"):
@@ -155,6 +161,8 @@ def test_wrong_types_are_refused():
         Options(broadcast_buffers="yes")
     with pytest.raises(WrongArgumentType, match="path"):
         Options().enableExecutableCaching(3)
+    with pytest.raises(WrongArgumentType, match="loop_repeated_layers must be a bool"):
+        Options().loopRepeatedLayers("no")
     with pytest.raises(WrongArgumentType, match="TensorLocationSettings"):
         Options().TensorLocations.setWeightLocation({"onChip": 0})
     with pytest.raises(TypeError, match="unexpected keyword"):

@@ -124,6 +124,13 @@ def _capture_scope():
         _CAPTURING.reset(token)
 
 
+def annotations(node: torch.fx.Node | None = None) -> dict:
+    """The user's ``torch.fx.traceback`` annotations (pipeline blocks) of a node, or those that
+    nodes recorded now get, without the private ones torch adds itself."""
+    custom = (torch.fx.traceback.current_meta if node is None else node.meta).get("custom") or {}
+    return {key: value for key, value in custom.items() if not key.startswith("_")}
+
+
 def export(module: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram:
     """torch.export (non-strict) decomposed to core ATen, ``poptorch.for_loop`` bodies outlined,
     with errors a user can act on."""

@@ -9,7 +9,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch.export.graph_signature import InputKind, OutputKind
 
-from ipu_backend.compiler import capture, interpreter
+from ipu_backend.compiler import capture, interpreter, layer_calls, layer_loops, repeated_layers
 from ipu_backend.compiler.dtypes import to_jax
 from ipu_backend.compiler.sources import user_location
 from ipu_backend.errors import Error
@@ -101,24 +101,61 @@ class Program:
                 {s.name: to_jax(tensors[s.name]) for s in self.buffers})
 
 
-def compile_module(module: torch.nn.Module, example_args: tuple, method: str | None = None) -> Program:
-    """Capture ``module(*example_args)`` (or ``module.<method>(*example_args)``) as a Program."""
+def compile_module(module: torch.nn.Module, example_args: tuple, method: str | None = None,
+                   loop_repeated_layers: bool = True) -> Program:
+    """Capture ``module(*example_args)`` (or ``module.<method>(*example_args)``) as a Program.
+
+    ``loop_repeated_layers``: runs of structurally identical layers (``repeated_layers``) are
+    captured once and lowered as one loop over their stacked weights, so that capture, tracing
+    and XLA compilation do not grow with depth; False captures and lowers every layer inline.
+    """
     target = module if method is None else capture.StepCall(module, method)
+    runs = repeated_layers.repeated_runs(module) if loop_repeated_layers else []
     start = time.time()
-    exported = capture.export(target, tuple(example_args))
+    exported, templates = _capture(target, tuple(example_args), runs)
     end = time.time()
     jax.monitoring.record_event_duration_secs(CAPTURE_EVENT, end - start)
     jax.monitoring.record_event_time_span(CAPTURE_EVENT, start, end)
-    missing = interpreter.unsupported_ops(exported.graph_module)
+    _check_lowerable(exported.graph_module)
+    graph_module = exported.graph_module
+    for node in graph_module.graph.nodes:
+        if node.target is layer_calls.REPEATED_LAYER:
+            node.meta[layer_calls.TEMPLATE_KEY] = templates[node.args[2]]
+    layer_loops.loop_layer_chains(graph_module)
+    if method is None:
+        return _build(module, exported, "", None)
+    return _build(module, exported, "module.", tuple(target.recorder.calls))
+
+
+def _capture(target: torch.nn.Module, args: tuple, runs: list) -> tuple:
+    """The export of ``target(*args)`` with the layers of ``runs`` standing in as calls, and the
+    template of each distinct call; a run whose layers cannot stand in is captured inline."""
+    while True:
+        stand_ins = layer_calls.StandIns(runs)
+        try:
+            with stand_ins.installed():
+                exported = capture.export(target, args)
+            templates = [layer_calls.capture_template(call, _template_program) for call in stand_ins.calls]
+        except layer_calls.NotRepeatable as refusal:
+            runs = [run for index, run in enumerate(runs) if index != refusal.run]
+            continue
+        return exported, templates
+
+
+def _template_program(layer: torch.nn.Module, exported, prefix: str) -> "Program":
+    _check_lowerable(exported.graph_module)
+    return _build(layer, exported, prefix, None)
+
+
+def _check_lowerable(graph_module: torch.fx.GraphModule) -> None:
+    """Raise, naming each operation and its source line, where the graph has no lowering."""
+    missing = interpreter.unsupported_ops(graph_module)
     if missing:
         listing = "\n".join(f"  {op} at {where}" for op, where in missing)
         raise Error("these operations have no lowering to JAX:\n" + listing +
                     "\nRewrite those lines with supported torch operations, or register a "
                     "lowering with ipu_backend.compiler.lowering(<op overload>).")
-    interpreter.reject_boolean_mask_indexing(exported.graph_module)
-    prefix = "" if method is None else "module."
-    logs = () if method is None else tuple(target.recorder.calls)
-    return _build(module, exported, prefix, logs)
+    interpreter.reject_boolean_mask_indexing(graph_module)
 
 
 def _ordered_specs(module, names: set[str]) -> tuple[TensorSpec, ...]:
@@ -130,7 +167,10 @@ def _ordered_specs(module, names: set[str]) -> tuple[TensorSpec, ...]:
     return tuple(TensorSpec(n, tuple(tensors[n].shape), tensors[n].dtype) for n in order)
 
 
-def _build(module, exported, prefix, logs) -> Program:
+def _build(module, exported, prefix: str, logs: tuple | None) -> Program:
+    """The Program of ``exported`` (a capture of ``module``, its weights named with ``prefix``);
+    ``logs``: the ``self.log`` calls of a step method, whose outputs are ``(result, logged
+    values)``, or None for a forward."""
     signature = exported.graph_signature
     strip = lambda target: target[len(prefix):]  # noqa: E731
     inputs = []
@@ -161,8 +201,8 @@ def _build(module, exported, prefix, logs) -> Program:
     in_spec = exported.call_spec.in_spec
     out_spec = exported.call_spec.out_spec
     n_mutated = len(mutation_kinds)
-    with_logs = bool(prefix)
-    log_names = [call.name for call in logs if call.is_tensor]
+    with_logs = logs is not None
+    log_names = [call.name for call in logs or () if call.is_tensor]
 
     def logged_fn(params, buffers, user_inputs, rng_key):
         leaves, spec = torch_pytree.tree_flatten((tuple(user_inputs), {}))
@@ -201,7 +241,7 @@ def _build(module, exported, prefix, logs) -> Program:
         buffers=_ordered_specs(module, buffer_names),
         mutated_buffers=tuple(mutated),
         output_spec=out_spec,
-        logs=logs,
+        logs=logs or (),
         source_locations=locations,
         graph_module=graph_module,
         mutated_inputs=tuple(mutated_inputs),

@@ -9,6 +9,8 @@ from collections import Counter
 
 import torch
 
+from ipu_backend.compiler.layer_loops import unrolled
+
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s+=\s+(.*)$")
 _OPCODE = re.compile(r"\s*([a-z][a-z0-9\-]*)\(")
 _BOOKKEEPING = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "copy"}
@@ -52,11 +54,11 @@ def hlo_op_counts(executable) -> dict[str, int]:
 
 
 def aten_op_counts(nodes) -> dict[str, int]:
-    """Core-ATen operations among graph ``nodes``, by name (``aten.addmm``)."""
+    """Core-ATen operations among graph ``nodes``, by name (``aten.addmm``); repeated layers
+    count once per layer, as they run."""
     counts = Counter()
-    for node in nodes:
-        if node.op == "call_function":
-            target = node.target
-            is_aten = isinstance(target, torch._ops.OpOverload)
-            counts[str(target.overloadpacket) if is_aten else getattr(target, "__name__", str(target))] += 1
+    for node in unrolled(nodes):
+        target = node.target
+        is_aten = isinstance(target, torch._ops.OpOverload)
+        counts[str(target.overloadpacket) if is_aten else getattr(target, "__name__", str(target))] += 1
     return dict(counts.most_common())

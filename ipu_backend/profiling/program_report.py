@@ -8,7 +8,8 @@ from ipu_backend.profiling.costs import aten_op_counts, hlo_op_counts, xla_costs
 from ipu_backend.runtime.recording import PIPELINED, ProgramFacts, StageFacts
 
 FLOPS_NOTE = ("FLOPs and bytes are XLA's cost analysis of each compiled program; the body of a "
-              "loop (device iterations, micro-batches) is counted once, not once per trip.")
+              "loop (device iterations, micro-batches, repeated layers) is counted once, not once "
+              "per trip.")
 
 
 def _program_costs(executable) -> dict:

@@ -408,7 +408,8 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         self._store.sync_to_host()
         compile_hooks.run(compile_hooks.PRE_COMPILE)
         try:
-            program = compile_module(model, micro, method=self._step_method)
+            program = compile_module(model, micro, method=self._step_method,
+                                     loop_repeated_layers=self._options.loop_repeated_layers)
         finally:
             model.train(was_training)
             compile_hooks.run(compile_hooks.POST_COMPILE)

@@ -271,7 +271,8 @@ class ManualStepExecutor(Executor):
         was_training = model.training
         model.train(True)
         try:
-            return compile_module(model, micro if versions is None else (*micro, versions), method=_STEP_ATTRIBUTE)
+            return compile_module(model, micro if versions is None else (*micro, versions), method=_STEP_ATTRIBUTE,
+                                  loop_repeated_layers=self._options.loop_repeated_layers)
         finally:
             model.train(was_training)
             object.__delattr__(model, _STEP_ATTRIBUTE)

@@ -92,7 +92,9 @@ def check_case(case: OpCase, dtype: torch.dtype, seed: int = 0):
     rtol, atol = case.tolerances.get(dtype, TOLERANCES.get(dtype, (0, 0)))
     torch.manual_seed(seed)
     inputs = case.make_inputs(dtype)
-    program = compile_module(FnModule(case.fn), inputs)
+    module = FnModule(case.fn)
+    program = compile_module(module, inputs)
+    params, buffers = program.state(module)
     missing = set(case.ops) - graph_ops(program.graph_module)
     assert not missing, f"{case.name}: the graph does not call {missing}"
     key = jax.random.key(seed)
@@ -112,7 +114,7 @@ def check_case(case: OpCase, dtype: torch.dtype, seed: int = 0):
         args = list(jax_inputs)
         for pos, value in zip(float_positions, floats):
             args[pos] = value
-        outs, _ = program.fn({}, {}, tuple(args), key)
+        outs, _ = program.fn(params, buffers, tuple(args), key)
         leaves = jax.tree_util.tree_leaves(outs)
         return [leaves[i] for i in float_outputs], leaves
 

@@ -8,6 +8,7 @@ from ipu_backend.compiler.lowerings import (  # noqa: F401
     creation,
     dynamic_slicing,
     elementwise,
+    layers,
     linalg,
     losses,
     markers,
