@@ -5,8 +5,11 @@ node on first sight (its items flattened like its base class's, the class rebuil
 import torch.utils._pytree as torch_pytree
 
 
-def _is_namedtuple(cls: type) -> bool:
-    return issubclass(cls, tuple) and hasattr(cls, "_fields")
+def _is_ours_to_register(cls: type) -> bool:
+    """A user's container class: not a namedtuple (torch has those) nor one of torch's own
+    (``torch.Size``, ``torch.return_types``), whose handling torch decides."""
+    named = issubclass(cls, tuple) and hasattr(cls, "_fields")
+    return not named and not cls.__module__.split(".")[0] == "torch"
 
 
 def _register(cls: type) -> None:
@@ -25,7 +28,7 @@ def register(tree) -> None:
     """Make every dict, list or tuple subclass found in ``tree`` a pytree node."""
     cls = type(tree)
     if isinstance(tree, (dict, list, tuple)):
-        if cls not in torch_pytree.SUPPORTED_NODES and not _is_namedtuple(cls):
+        if cls not in torch_pytree.SUPPORTED_NODES and _is_ours_to_register(cls):
             _register(cls)
         for child in (tree.values() if isinstance(tree, dict) else tree):
             register(child)
