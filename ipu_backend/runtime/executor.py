@@ -35,6 +35,7 @@ from ipu_backend.runtime.recording import SINGLE_IPU
 from ipu_backend.runtime.schedule import Schedule
 from ipu_backend.runtime.stages import has_blocks
 from ipu_backend.runtime.step import OutputLayout, inference_call, initial_scaler, master_copy, training_call
+from ipu_backend.runtime.xla_compile import compile_lowered, executables_from
 
 _PROGRAMS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 """Compiled programs per module, shared by its executors: the same model, options, input
@@ -147,15 +148,10 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         compiled = self._timed_program()
         if compiled is None:
             raise Error(NO_EXECUTABLE)
-        if compiled.multi_ipu:
-            raise Error("saving a model split over several IPUs is not supported yet: save a "
-                        "single-IPU model, or compile this one in each process")
         filename = serialization.destination(filename)
         self.copyWeightsToHost()
-        lowered = self._lowered(compiled, serialization.example_inputs(compiled.inputs))
         data = {"training": self._training, "options": self._options, "inputs": compiled.inputs,
-                "executable": serialization.executable_bytes(compiled.executable),
-                "fingerprint": serialization.fingerprint(lowered), "model": None, "optimizer": None,
+                "programs": self._recorded_programs(compiled), "model": None, "optimizer": None,
                 "optimizer_state": None, "rng_state": self.rng_state if save_rng_state else None}
         if export_model:
             data.update(model=self._user_model, optimizer=self._optimizer,
@@ -177,17 +173,28 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         args = serialization.example_inputs(data["inputs"])
         self._profiler.started()
         groups = self._param_groups()
-        compiled = self._compile(args, groups)
-        if compiled.multi_ipu:
-            raise Error(f"{filename} holds a single-IPU program, but this model is split over IPUs")
-        self._ensure_executable(compiled, self._call_arguments(compiled, args, groups, advance=False),
-                                self._offloads_optimizer_state(compiled),
-                                lambda lowered: serialization.load_executable(
-                                    data, lowered, filename, list(self._mesh().devices.flat)))
+        with executables_from(serialization.Loading(data, filename)) as loading:
+            compiled = self._compile(args, groups)       # a split model compiles its stages here
+            self._ensure_executable(compiled, self._call_arguments(compiled, args, groups, advance=False),
+                                    self._offloads_optimizer_state(compiled))
+        loading.check_complete()
 
-    def _lowered(self, compiled: CompiledStep, args: tuple):
-        """The program of ``compiled`` lowered for the call arguments of ``args`` (as compiled)."""
-        return compiled.call.lower(*self._call_arguments(compiled, args, self._param_groups(), advance=False))
+    def _recorded_programs(self, compiled: CompiledStep) -> list[dict]:
+        """What ``save`` writes of ``compiled``'s executables: the program is built again (not
+        compiled) for the shapes it was compiled for, each program noted as the runtime asks for
+        its executable."""
+        args = serialization.example_inputs(compiled.inputs)
+        if not compiled.multi_ipu:
+            with executables_from(serialization.Recording([compiled.executable])) as recording:
+                compile_lowered(compiled.call.lower(
+                    *self._call_arguments(compiled, args, self._param_groups(), advance=False)))
+            return recording.programs
+        executables = [p for stage in compiled.call.stages for p in stage.programs.values()]
+        rule, loss_index = self._rule_and_loss(compiled.program)
+        schedule = self._schedule()
+        with executables_from(serialization.Recording(executables)) as recording:
+            self._split_program(first_micro_batch(args, schedule), schedule, compiled.program, rule, loss_index)
+        return recording.programs
 
     def __repr__(self) -> str:
         """The model's ``repr``, with its ``BeginBlock`` annotations (PopTorch's ``module_repr``)."""
@@ -427,15 +434,9 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         log_dtypes = program.logged_dtypes()
         totals = totals_of(program.logs)
         log_dtypes.update({name + TOTAL_SUFFIX: log_dtypes[name] for name in totals})
-        rule = loss_index = None
-        if self._training:
-            rule = optimizer_rule(self._optimizer, {id(p): n for n, p in
-                                                    torch.nn.Module.named_parameters(model)})
-            loss_index = find_loss(program, step_method=self._step_method is not None)
+        rule, loss_index = self._rule_and_loss(program)
         if has_blocks(program.graph_module):        # split over IPUs
-            hyper = None if rule is None else rule.hyperparameters(self._optimizer)
-            multi = build(model, program, micro, schedule, self._settings, self._training, rule, hyper,
-                          loss_index, self._step_method, self._gradient_clipping)
+            multi = self._split_program(micro, schedule, program, rule, loss_index)
             if multi is not None:
                 return CompiledStep(multi, program, multi.layout, dtypes, log_dtypes, (multi.rule,), multi_ipu=True)
         if not self._training:
@@ -445,6 +446,21 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             rule = self._gradient_clipping.wrap(rule)
         call = training_call(forward, loss_index, rule, schedule, mesh, layout, totals)
         return CompiledStep(call, program, layout, dtypes, log_dtypes, (rule,))
+
+    def _rule_and_loss(self, program) -> tuple:
+        """The optimizer's update rule and the index of the loss among ``program``'s array results
+        (None, None for inference)."""
+        if not self._training:
+            return None, None
+        rule = optimizer_rule(self._optimizer, {id(p): n for n, p in
+                                                torch.nn.Module.named_parameters(self._user_model)})
+        return rule, find_loss(program, step_method=self._step_method is not None)
+
+    def _split_program(self, micro: tuple, schedule: Schedule, program, rule, loss_index):
+        """The program of a model with blocks split over IPUs (None when it all runs on IPU 0)."""
+        hyper = None if rule is None else rule.hyperparameters(self._optimizer)
+        return build(self._user_model, program, micro, schedule, self._settings, self._training, rule, hyper,
+                     loss_index, self._step_method, self._gradient_clipping)
 
     def _optimizer_state(self, rule, params):
         if self._opt_state is None:

@@ -217,17 +217,17 @@ class Executor:
         self._calls_made += 1
         return self._calls_made
 
-    def _ensure_executable(self, compiled: CompiledStep, call_args: tuple, optimizer_offloaded: bool = False,
-                           load=None) -> None:
-        """Compile ahead of the first call, once (or ``load(lowered)`` a saved executable), check
-        the memory, tell the recorder and say how long capture and compilation took."""
+    def _ensure_executable(self, compiled: CompiledStep, call_args: tuple, optimizer_offloaded: bool = False) -> None:
+        """Compile ahead of the first call, once (a saved executable may stand in:
+        ``xla_compile.executables_from``), check the memory, tell the recorder and say how long
+        capture and compilation took."""
         if compiled.executable is not None:
             return
         spec, check = self._settings.memory()
         if compiled.multi_ipu:
             executable, usage = compiled.call, compiled.call.memory
         else:
-            executable = (load or compile_lowered)(compiled.call.lower(*call_args))
+            executable = compile_lowered(compiled.call.lower(*call_args))
             usage = memory.single_ipu_usage(executable, call_args[0], self._schedule().replicas // self._mesh().size,
                                             optimizer_offloaded=optimizer_offloaded)
             memory.check(usage, spec, check)

@@ -1,13 +1,14 @@
 """Compiled programs in a file: what PopTorch's ``save``, ``compileAndExport``,
 ``loadExecutable`` and ``poptorch.load`` read and write.
 
-A file holds the XLA executable of a compiled step (``jax.experimental.serialize_executable``),
-the shapes and dtypes of the inputs it was compiled for, the options, a fingerprint of the
-program, and optionally the model and optimizer (pickled with their weights and state) and the
-random state. Loading captures the model again (as PopTorch traces it again) to rebuild what the
-host needs around the program, checks that the program is the one saved, and loads the
-executable instead of compiling it. Like PopTorch's files, these are pickles: load only files you
-trust.
+A file holds the XLA executables of a compiled model (``jax.experimental.serialize_executable``;
+one step, or each stage's programs of a model split over IPUs), each with a fingerprint of its
+program and its devices, the shapes and dtypes of the inputs it was compiled for, the options,
+and optionally the model and optimizer (pickled with their weights and state) and the random
+state. Loading captures the model again (as PopTorch traces it again) to rebuild what the host
+needs around the programs; where the runtime would compile a program, :class:`Loading` checks
+that it is the next one saved and loads it instead. Like PopTorch's files, these are pickles:
+load only files you trust.
 """
 
 import hashlib
@@ -15,6 +16,7 @@ import os
 import pickle
 from dataclasses import dataclass
 
+import jax
 import torch
 import torch.utils._pytree as torch_pytree
 from jax.experimental import serialize_executable
@@ -22,7 +24,7 @@ from jax.experimental import serialize_executable
 from ipu_backend.errors import Error
 
 FORMAT = "ipu_backend compiled program"
-VERSION = 1
+VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -50,20 +52,57 @@ def fingerprint(lowered) -> str:
     return hashlib.sha256(lowered.as_text().encode()).hexdigest()
 
 
-def executable_bytes(executable) -> bytes:
-    payload, _, _ = serialize_executable.serialize(executable)
-    return payload
+def _devices(executable) -> list[int]:
+    """The ids of the devices an executable runs on, in its device order."""
+    sharding = jax.tree.leaves(executable.input_shardings)[0]
+    mesh = getattr(sharding, "mesh", None)
+    devices = list(mesh.devices.flat) if mesh is not None else sorted(sharding.device_set, key=lambda d: d.id)
+    return [device.id for device in devices]
 
 
-def load_executable(data: dict, lowered, filename: str, devices: list):
-    """The executable saved in ``data`` for the program ``lowered``, after checking it is that
-    program, loaded onto ``devices`` (those of the program's mesh)."""
-    if data["fingerprint"] != fingerprint(lowered):
-        raise Error(f"the executable in {filename} was compiled for another program: the model, its "
-                    "options, its optimizer or the inputs differ from those it was saved with. "
-                    "Compile the model again (or export it again)")
-    return serialize_executable.deserialize_and_load(data["executable"], lowered.in_tree, lowered.out_tree,
-                                                     execution_devices=devices)
+class Recording:
+    """An executable source (``xla_compile.executables_from``) that hands back the ``executables``
+    already compiled, in the order the runtime asks for them, and notes each one's program:
+    building a model again under it gives what :func:`write` saves."""
+
+    def __init__(self, executables: list):
+        self._executables = iter(executables)
+        self.programs: list[dict] = []
+
+    def __call__(self, lowered):
+        executable = next(self._executables)
+        payload, _, _ = serialize_executable.serialize(executable)
+        self.programs.append({"executable": payload, "fingerprint": fingerprint(lowered),
+                              "devices": _devices(executable)})
+        return executable
+
+
+class Loading:
+    """An executable source that loads the saved programs in order, each after checking that the
+    program the runtime asks for is the one saved."""
+
+    def __init__(self, data: dict, filename: str):
+        self._programs, self._filename, self.used = data["programs"], filename, 0
+
+    def _mismatch(self) -> Error:
+        return Error(f"the executable in {self._filename} was compiled for another program: the model, "
+                     "its options, its optimizer or the inputs differ from those it was saved with. "
+                     "Compile the model again (or export it again)")
+
+    def __call__(self, lowered):
+        if self.used >= len(self._programs) or self._programs[self.used]["fingerprint"] != fingerprint(lowered):
+            raise self._mismatch()
+        saved = self._programs[self.used]
+        self.used += 1
+        by_id = {device.id: device for device in jax.devices()}
+        return serialize_executable.deserialize_and_load(
+            saved["executable"], lowered.in_tree, lowered.out_tree,
+            execution_devices=[by_id[i] for i in saved["devices"]])
+
+    def check_complete(self) -> None:
+        """Every saved program was loaded (none when the model was compiled already)."""
+        if self.used not in (0, len(self._programs)):
+            raise self._mismatch()
 
 
 def destination(filename: str) -> str:

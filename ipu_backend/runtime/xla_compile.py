@@ -1,4 +1,7 @@
-"""How the runtime has XLA compile its programs."""
+"""How the runtime has XLA compile its programs, and where a saved program can stand in."""
+
+import contextlib
+import contextvars
 
 from ipu_backend.compiler.lowerings.backend import on_cpu
 
@@ -8,7 +11,24 @@ update a weight in place once every reader of the old value has run, where the d
 copies some weights at the start of every iteration (same numbers, same compile time; the
 device time saved is in docs/performance.md)."""
 
+_SOURCE = contextvars.ContextVar("ipu_backend_executable_source", default=None)
+
+
+@contextlib.contextmanager
+def executables_from(source):
+    """Within the block, each program the runtime would compile is handed to ``source(lowered)``
+    instead, which returns its executable (a saved one: ``runtime/serialization.py``)."""
+    token = _SOURCE.set(source)
+    try:
+        yield source
+    finally:
+        _SOURCE.reset(token)
+
 
 def compile_lowered(lowered):
-    """``lowered.compile()``, with :data:`CPU_OPTIONS` when it compiles for XLA:CPU."""
+    """``lowered.compile()``, with :data:`CPU_OPTIONS` when it compiles for XLA:CPU (or the
+    executable of :func:`executables_from`'s source)."""
+    source = _SOURCE.get()
+    if source is not None:
+        return source(lowered)
     return lowered.compile(CPU_OPTIONS if on_cpu() else None)

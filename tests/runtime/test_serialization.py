@@ -8,8 +8,10 @@ import os
 import pytest
 import torch
 
+import jax
+
 import ipu_backend as poptorch
-from ipu_backend.runtime import lifecycle as executor_module
+from tests.multi_ipu.models import TwoStages, regression_data, torch_training
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -25,8 +27,8 @@ class Regression(torch.nn.Module):
         return prediction, torch.nn.functional.mse_loss(prediction, y)
 
 
-def no_compilation(lowered):
-    raise AssertionError("the saved executable should be loaded, not compiled")
+def no_compilation(lowered, *args, **kwargs):
+    raise AssertionError("the saved executables should be loaded, not compiled")
 
 
 def test_exported_training_model_loads_without_compiling_and_trains_as_torch(tmp_path, monkeypatch):
@@ -40,7 +42,7 @@ def test_exported_training_model_loads_without_compiling_and_trains_as_torch(tmp
     executor.compileAndExport(path, x, y)
     executor.destroy()
 
-    monkeypatch.setattr(executor_module, "compile_lowered", no_compilation)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", no_compilation)
     loaded = poptorch.load(path, edit_opts_fn=lambda opts: opts.logCycleCount(True))
     assert loaded.options.log_cycle_count and loaded.isCompiled()
     torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
@@ -105,3 +107,25 @@ def test_a_wrapped_model_pickles_as_its_own_class_with_the_device_weights(tmp_pa
     assert type(restored) is Regression and type(copy.deepcopy(model)) is Regression
     for p, q in zip(restored.parameters(), model.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_a_pipelined_model_saves_and_loads_each_stage_program(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = TwoStages()
+    reference = copy.deepcopy(model)
+    x, y = regression_data(8)
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(4)
+    executor = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    path = str(tmp_path / "pipeline.poptorch")
+    executor.compileAndExport(path, x, y)
+    executor.destroy()
+    monkeypatch.setattr(jax.stages.Lowered, "compile", no_compilation)
+    loaded = poptorch.load(path)
+    assert set(loaded.ipuPlacement().values()) == {0, 1}
+    _, loss = loaded(x, y)
+    _, expected = torch_training(reference, torch.optim.SGD(reference.parameters(), lr=0.1), x, y,
+                                 accumulation=4, micro=2)
+    torch.testing.assert_close(loss, expected[-1], rtol=RTOL, atol=ATOL)
+    for p, q in zip(loaded.model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
