@@ -88,6 +88,7 @@ class _StageAssigner:
         self.explicit = {block: (index, stage.ipu_id) for index, stage in enumerate(staging.stages)
                          for block in stage.blocks}
         self.auto_ids: dict[str, int] = {}
+        self.run_key, self.runs = None, 0          # phased strategies: the current run of operations
 
     def __call__(self, block, node) -> tuple:
         if self.staging.phased:
@@ -112,9 +113,11 @@ class _StageAssigner:
         return stage_id, stage_id if ipu_id is None else ipu_id
 
     def _phased(self, block, node) -> tuple[tuple[int, int], int]:
-        """A phased strategy: one stage per block, numbered ``(phase, order of the block's first
-        operation)``, so that the blocks of a phase (whose stages exchange values both ways) run
-        in program order, on the IPU of their stage."""
+        """A phased strategy: a stage per run of consecutive operations of one block on one IPU,
+        numbered ``(phase, run)`` in program order. The blocks of a phase may exchange values
+        both ways, and a block may be entered again after another (or on another IPU, as its
+        ``ipu_id`` says): the runs of a phase then execute in program order, which is always a
+        valid order, each on the IPU of its stage."""
         if block is _IMPLICIT:
             return (0, -1), 0
         user_id, ipu_id = block
@@ -124,9 +127,11 @@ class _StageAssigner:
                         f"{[b for stage in self.staging.stages for b in stage.blocks]} "
                         f"(the block is used at {_where(node)})")
         phase, position, stage = found
-        order = self.auto_ids.setdefault(user_id, len(self.auto_ids))
         ipu = stage.ipu_id if stage.ipu_id is not None else ipu_id
-        return (phase, order), self.staging.default_ipu(phase, position) if ipu is None else ipu
+        ipu = self.staging.default_ipu(phase, position) if ipu is None else ipu
+        if self.run_key != (phase, user_id, ipu):
+            self.run_key, self.runs = (phase, user_id, ipu), self.runs + 1
+        return (phase, self.runs), ipu
 
 
 def _block_of(node: torch.fx.Node):
