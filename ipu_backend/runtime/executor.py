@@ -200,6 +200,10 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         """The model's ``repr``, with its ``BeginBlock`` annotations (PopTorch's ``module_repr``)."""
         return module_repr(self._user_model)
 
+    def copyWeightsToHost(self) -> None:  # noqa: N802
+        self._refuse_if_destroyed()
+        super().copyWeightsToHost()
+
     def copyWeightsToHostIfNeeded(self) -> bool:  # noqa: N802
         """Copy the device's weights into the module if they changed since the last copy;
         whether they did."""
@@ -236,6 +240,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         self._key = None
 
     def copyWeightsToDevice(self) -> None:  # noqa: N802
+        self._refuse_if_destroyed()
         self._store.load_from_host()
         if self._opt_state is not None and self._schedule().master_weights:
             self._opt_state = {**self._opt_state, "master": master_copy(self._store.params)}
@@ -318,6 +323,10 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             self._opt_state = jax.device_put(self._opt_state, host_memory)
 
     # --- internals -------------------------------------------------------------------------
+    def _refuse_if_destroyed(self) -> None:
+        if self._destroyed:
+            raise Error(NO_EXECUTABLE)
+
     def _bind(self, args, kwargs) -> tuple:
         if self._destroyed:
             raise Error("this model was destroyed; create a new trainingModel/inferenceModel")

@@ -136,3 +136,12 @@ def test_repr_shows_begin_blocks_and_compile_hooks_run():
     assert repr(executor) == repr(executor.model)
     with pytest.raises(RuntimeError, match="Pre-compile hook must be callable"):
         poptorch.registerPreCompileHook(3)
+
+
+def test_weights_cannot_be_copied_once_destroyed():
+    model = poptorch.inferenceModel(torch.nn.Linear(2, 2))
+    model(torch.ones(1, 2))
+    model.destroy()
+    for copy_weights in (model.copyWeightsToHost, model.copyWeightsToDevice):
+        with pytest.raises(poptorch.Error, match="Model has not been compiled or has been destroyed."):
+            copy_weights()
