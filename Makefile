@@ -7,12 +7,13 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# torch is pinned first so that pip takes the CPU build on disk, not a CUDA build.
-$(STAMP): pyproject.toml
+# torch is installed first so that pip takes the CPU build on disk, not a CUDA build; then the
+# package within its declared ranges, at the versions constraints.txt pins (what CI tests).
+$(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -c constraints.txt torch
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 demo: setup

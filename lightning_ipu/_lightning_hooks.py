@@ -24,7 +24,7 @@ from .accelerator import IPUAccelerator
 from .precision import SUPPORTED_PRECISIONS, IPUPrecision
 from .strategy import IPUStrategy
 
-TESTED_VERSIONS = ("2.6",)
+TESTED_VERSIONS = ("2.5", "2.6")
 """Lightning ``major.minor`` versions whose internals these hooks were written and tested for."""
 
 _WRAPPED_FLAG = "_lightning_ipu_routing"

@@ -112,7 +112,7 @@ def test_the_connector_hook_is_installed_once_and_checks_the_lightning_version()
     wrapped = _AcceleratorConnector._check_config_and_set_final_flags
     assert getattr(wrapped, "_lightning_ipu_routing") and not hasattr(wrapped.__wrapped__, "_lightning_ipu_routing")
     assert _lightning_hooks.check_version(pl.__version__), "the installed Lightning is a tested one"
-    with pytest.warns(UserWarning, match="tested with Lightning 2.6"):
+    with pytest.warns(UserWarning, match="tested with Lightning 2.5, 2.6"):
         assert not _lightning_hooks.check_version("2.7.1")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
