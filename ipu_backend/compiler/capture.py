@@ -12,7 +12,7 @@ from torch._export import utils as _export_utils
 from torch.export import exported_program as _exported_program
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from ipu_backend.compiler import containers, hints, loops, metric_states
+from ipu_backend.compiler import containers, float32_precision, hints, loops, metric_states
 from ipu_backend.compiler.sources import traceback_location
 from ipu_backend.errors import Error
 
@@ -131,9 +131,17 @@ def annotations(node: torch.fx.Node | None = None) -> dict:
     return {key: value for key, value in custom.items() if not key.startswith("_")}
 
 
+FLOAT32_PRECISION_KEY = "ipu_backend.float32_precision"
+"""The key of the graph module's ``meta`` entry holding torch's float32 precision settings as
+they were at capture (a :class:`~ipu_backend.compiler.float32_precision.Float32Precision`): the
+program's products are traced with them."""
+
+
 def export(module: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram:
     """torch.export (non-strict) decomposed to core ATen, ``poptorch.for_loop`` bodies outlined,
-    with errors a user can act on."""
+    with errors a user can act on, and torch's float32 precision settings recorded on the graph
+    module."""
+    precision = float32_precision.torch_setting()
     containers.register(args)
     # The module's results may hold container subclasses too: registered as it returns them.
     hook = module.register_forward_hook(lambda _, __, result: containers.register(result))
@@ -153,6 +161,7 @@ def export(module: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram
     exported = decompose_to_core_aten(exported)
     loops.outline_loops(exported.graph_module)
     hints.check_multi_convs(exported.graph_module)
+    exported.graph_module.meta[FLOAT32_PRECISION_KEY] = precision
     return exported
 
 

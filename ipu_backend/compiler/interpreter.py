@@ -3,6 +3,7 @@
 This runs only while JAX traces the program, so its cost is paid once per compilation.
 """
 
+import contextlib
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from ipu_backend.compiler import registry, return_types  # noqa: F401  (return_types registers pytrees)
+from ipu_backend.compiler import capture, registry, return_types  # noqa: F401  (return_types registers pytrees)
 from ipu_backend.compiler.dtypes import jax_dtype
+from ipu_backend.compiler.lowering_options import lowering_options
 from ipu_backend.compiler.lowerings import views
 from ipu_backend.compiler.sources import user_location
 from ipu_backend.errors import Error
@@ -97,8 +99,20 @@ def reject_boolean_mask_indexing(graph_module: torch.fx.GraphModule) -> None:
                 user_location(node.meta.get("stack_trace")) or "unknown source line")
 
 
+def as_captured(graph_module: torch.fx.GraphModule):
+    """A context in which lowerings trace ``graph_module`` with the settings its capture recorded
+    (torch's float32 precision); a graph without them (a nested branch) keeps those in force."""
+    precision = graph_module.meta.get(capture.FLOAT32_PRECISION_KEY)
+    return contextlib.nullcontext() if precision is None else lowering_options(float32=precision)
+
+
 def run_graph(graph_module: torch.fx.GraphModule, inputs, base_key, path=()):
     """Evaluate ``graph_module`` on ``inputs`` (one per placeholder); returns the output node's args."""
+    with as_captured(graph_module):
+        return _run_graph(graph_module, inputs, base_key, path)
+
+
+def _run_graph(graph_module: torch.fx.GraphModule, inputs, base_key, path):
     env, shared = {}, {}
     placeholders = iter(inputs)
     for index, node in enumerate(graph_module.graph.nodes):

@@ -14,6 +14,10 @@ forward and backward, at the top level and, for multi-channel inputs, inside loo
 the performance guide); on other backends (cuDNN's convolutions on GPUs) ``"auto"`` and
 ``"in_loop"`` are XLA's convolution (see ``lowerings/convolution.py``). All give torch's
 numbers.
+
+``float32``: the precision of float32 matrix products and convolutions where the backend has a
+faster mode (TF32 on NVIDIA GPUs), as torch's settings were when the program was captured
+(:mod:`ipu_backend.compiler.float32_precision`); on the CPU every product is full float32.
 """
 
 import contextlib
@@ -22,6 +26,8 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Literal
 
+from ipu_backend.compiler.float32_precision import Float32Precision
+
 ConvAlgorithm = Literal["auto", "xla", "im2col", "in_loop"]
 CONV_ALGORITHMS = ("auto", "xla", "im2col", "in_loop")
 
@@ -29,6 +35,7 @@ CONV_ALGORITHMS = ("auto", "xla", "im2col", "in_loop")
 @dataclasses.dataclass(frozen=True)
 class LoweringOptions:
     conv_algorithm: ConvAlgorithm = "auto"
+    float32: Float32Precision = Float32Precision()
 
     def __post_init__(self):
         if self.conv_algorithm not in CONV_ALGORITHMS:

@@ -13,7 +13,7 @@ import torch.utils._pytree as torch_pytree
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ipu_backend.compiler import compile_module
+from ipu_backend.compiler import compile_module, float32_precision
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, totals_of
 from ipu_backend.errors import Error
 from ipu_backend.runtime import compile_hooks, perf_counters, serialization
@@ -343,7 +343,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
     def _cache_key(self, args: tuple, groups: tuple | None) -> tuple:
         structure = None if groups is None else (groups[0],) + tuple(group[0] for group in groups[1:])
         return (self._training, self._step_method, self._settings.key, structure, self._gradient_clipping,
-                input_signature(args))
+                float32_precision.program_key(), input_signature(args))
 
     def _compile(self, args: tuple, groups: tuple | None) -> CompiledStep:
         signature = self._cache_key(args, groups)
@@ -352,8 +352,9 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             self._compiled[signature] = compiled
             return compiled
         if self._last_signature is not None:
-            warnings.warn("the inputs' shapes or dtypes changed since the last call: compiling "
-                          "again for the new ones (each distinct signature is compiled once)",
+            warnings.warn("the inputs' shapes or dtypes (or torch's float32 precision settings) "
+                          "changed since the last call: compiling again for the new ones (each "
+                          "distinct signature is compiled once)",
                           stacklevel=3)
         self._last_signature = signature
         schedule = self._schedule()

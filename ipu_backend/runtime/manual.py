@@ -50,7 +50,7 @@ import torch.utils._pytree as torch_pytree
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ipu_backend.compiler import compile_module
+from ipu_backend.compiler import compile_module, float32_precision
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, totals_of
 from ipu_backend.errors import Error
 from ipu_backend.runtime.clipping import GradientClipping
@@ -248,7 +248,7 @@ class ManualStepExecutor(Executor):
         return jax.tree.map(lambda *values: jnp.stack(values), *per_step)
 
     def _compile(self, args: tuple) -> CompiledStep:
-        signature = input_signature(args)
+        signature = (float32_precision.program_key(),) + input_signature(args)
         compiled = self._compiled.get(signature)
         if compiled is None:
             compiled = self._compiled[signature] = self._build(args)

@@ -334,13 +334,14 @@ def run_stage(part: Partition, stage: StagePlan, params: Mapping, buffers: Mappi
             return source
         return {"param": params, "buffer": buffers, "input": inputs}[kind][source]
 
-    for node in stage.nodes:
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
-        if node.target is operator.getitem:
-            env[node.name] = args[0][args[1]]
-        else:
-            ctx = interpreter.LoweringContext(node, key, (part.node_index[node.name],))
-            env[node.name] = interpreter._lower(ctx, args, kwargs)
+    with interpreter.as_captured(graph_module):
+        for node in stage.nodes:
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
+            if node.target is operator.getitem:
+                env[node.name] = args[0][args[1]]
+            else:
+                ctx = interpreter.LoweringContext(node, key, (part.node_index[node.name],))
+                env[node.name] = interpreter._lower(ctx, args, kwargs)
 
     output = next(n for n in graph_module.graph.nodes if n.op == "output")
     new_values = dict(zip(part.mutated_buffers, output.args[0][: len(part.mutated_buffers)]))

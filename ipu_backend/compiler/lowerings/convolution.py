@@ -101,7 +101,8 @@ def convolution(ctx, x, weight, bias, stride, padding, dilation, transposed, out
         window_strides, input_dilation = stride, (1,) * n
     direct = _CONV_ALGORITHMS[current_options().conv_algorithm]
     out = direct(x, weight, window_strides=window_strides, pads=pads,
-                 input_dilation=input_dilation, kernel_dilation=dilation, groups=groups)
+                 input_dilation=input_dilation, kernel_dilation=dilation, groups=groups,
+                 precision=backend.float32_precision("convolution"))
     if bias is not None:
         out = out + bias.astype(out.dtype).reshape((-1,) + (1,) * n)
     return out.astype(x.dtype)
@@ -118,15 +119,17 @@ def _transposed_weight_as_direct(weight, groups):
     return jnp.flip(weight, axis=tuple(range(2, weight.ndim)))
 
 
-def _conv_xla(x, weight, *, window_strides, pads, input_dilation, kernel_dilation, groups):
+def _conv_xla(x, weight, *, window_strides, pads, input_dilation, kernel_dilation, groups,
+              precision):
     return lax.conv_general_dilated(
         x, weight, window_strides, pads, lhs_dilation=input_dilation,
         rhs_dilation=kernel_dilation, feature_group_count=groups,
-        precision=lax.Precision.HIGHEST, preferred_element_type=accumulation_dtype(x.dtype))
+        precision=precision, preferred_element_type=accumulation_dtype(x.dtype))
 
 
 @_jit_with_static_keywords
-def _conv_im2col(x, weight, *, window_strides, pads, input_dilation, kernel_dilation, groups):
+def _conv_im2col(x, weight, *, window_strides, pads, input_dilation, kernel_dilation, groups,
+                 precision):
     """Channel-major im2col: the input as (channels, batch, *spatial), padded (and dilated) once;
     one strided slice per kernel offset, stacked offset-major (:func:`_staged_windows`) into
     columns of shape (offsets · channels, batch · output positions); and the kernel, laid out
@@ -156,10 +159,10 @@ def _conv_im2col(x, weight, *, window_strides, pads, input_dilation, kernel_dila
     # (out, in/groups, *kernel) -> (groups, out/groups, offsets · in/groups), the columns' order
     weight = jnp.moveaxis(weight.astype(dtype), 1, -1).reshape(groups, out_channels // groups, -1)
     if groups == 1:
-        out = matrix_product(weight[0], columns.reshape(-1, columns.shape[-1]))
+        out = matrix_product(weight[0], columns.reshape(-1, columns.shape[-1]), precision=precision)
     else:
         columns = jnp.swapaxes(columns, 0, 1).reshape(groups, -1, columns.shape[-1])
-        out = jnp.matmul(weight, columns, precision=lax.Precision.HIGHEST)
+        out = jnp.matmul(weight, columns, precision=precision)
     return jnp.moveaxis(out.reshape(out_channels, batch, *out_size), 0, 1)
 
 

@@ -34,14 +34,17 @@ def accumulation_dtype(dtype):
     return None
 
 
-def einsum(subscripts, *operands):
-    """``jnp.einsum`` at full float32 precision on every backend (no TF32 or bf16 passes, which
-    torch's CPU numbers do not have), accumulating half precision in float32."""
-    return jnp.einsum(subscripts, *operands, precision=lax.Precision.HIGHEST,
+def einsum(subscripts, *operands, precision: lax.Precision | None = None):
+    """``jnp.einsum`` at the float32 precision of the program's matrix products (full float32
+    on the CPU, as torch's CPU numbers are; on a GPU as torch's settings say: see
+    :func:`backend.float32_precision`) or at ``precision``, accumulating half precision in
+    float32."""
+    return jnp.einsum(subscripts, *operands,
+                      precision=backend.float32_precision("matmul") if precision is None else precision,
                       preferred_element_type=accumulation_dtype(operands[0].dtype))
 
 
-def matrix_product(a, b, *, b_transposed: bool = False):
+def matrix_product(a, b, *, b_transposed: bool = False, precision: lax.Precision | None = None):
     """``a @ b`` for 2-D operands (see :func:`einsum`) whose gradients, on the CPU, are products
     XLA:CPU gives its fast (YNNPACK) matrix kernel. That kernel takes a product only where the
     left operand is contracted on its last axis; JAX's gradient for ``b``, ``a.T @ g``,
@@ -53,12 +56,13 @@ def matrix_product(a, b, *, b_transposed: bool = False):
     a program mixing the two kernels runs slower than one using either."""
     if backend.on_cpu() and jnp.issubdtype(a.dtype, jnp.floating):
         return checkpoint_name(_cpu_matrix_product(a, b, b_transposed), MATRIX_PRODUCT_NAME)
-    return einsum("ij,jk->ik", a, b)
+    return einsum("ij,jk->ik", a, b, precision=precision)
 
 
 def _matrix_dot(a, b, contracting, dtype):
     """``lax.dot_general`` of 2-D ``a`` and ``b`` contracting the axes ``contracting``, at full
-    precision, accumulating half precision in float32, rounded to ``dtype``."""
+    precision (it serves the CPU only), accumulating half precision in float32, rounded to
+    ``dtype``."""
     product = lax.dot_general(a.astype(dtype), b.astype(dtype), (contracting, ((), ())),
                               precision=lax.Precision.HIGHEST,
                               preferred_element_type=accumulation_dtype(dtype))
