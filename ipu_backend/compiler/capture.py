@@ -13,6 +13,7 @@ from torch.export import exported_program as _exported_program
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ipu_backend.compiler import containers, float32_precision, hints, loops, metric_states
+from ipu_backend.compiler.lowerings import attention
 from ipu_backend.compiler.sources import traceback_location
 from ipu_backend.errors import Error
 
@@ -180,9 +181,23 @@ def decompose_to_core_aten(exported: torch.export.ExportedProgram) -> torch.expo
     called = _called_ops(exported.graph_module)
     cia_to_decomp = {op: fn for op, fn in cia_table.items()
                      if op in called or not _is_default_cia_decomposition(fn)}
+    if _ATTENTION in called and _ATTENTION in cia_table:
+        cia_to_decomp[_ATTENTION] = functools.partial(_attention_whole_or_decomposed,
+                                                      decomposition=cia_table[_ATTENTION])
     return _exported_program._decompose_exported_program(
         exported, cia_to_decomp=cia_to_decomp, python_decomp_table=dict(python_table),
         joint_loss_index=None, decompose_custom_triton_ops=False)
+
+
+_ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def _attention_whole_or_decomposed(*args, decomposition, **kwargs):
+    """A ``scaled_dot_product_attention`` call kept whole where ``attention.kept_whole`` says
+    so (torch keeps an op whose decomposition answers NotImplemented), else decomposed."""
+    if attention.kept_whole(*args, **kwargs):
+        return NotImplemented
+    return decomposition(*args, **kwargs)
 
 
 def _called_ops(graph_module: torch.fx.GraphModule) -> set:

@@ -1,6 +1,7 @@
 """Lowerings grouped by op family; importing this package registers them all."""
 
 from ipu_backend.compiler.lowerings import (  # noqa: F401
+    attention,
     comparison,
     control_flow,
     convolution,
