@@ -125,8 +125,8 @@ def workloads(smoke: bool) -> dict[str, Workload]:
     if smoke:
         tiny = dict(vocabulary=64, length=16, dim=32, heads=2, layers=1)
         return {"cnn": Workload("cnn", 8, "img/s"),
-                "gpt_small": Workload("gpt_small", 2, "seq/s", tiny),
-                "gpt_mid": Workload("gpt_mid", 2, "seq/s", tiny, memory_check="off")}
+                "gpt_small": Workload("gpt_small", 4, "seq/s", tiny),
+                "gpt_mid": Workload("gpt_mid", 4, "seq/s", tiny, memory_check="off")}
     return {"cnn": Workload("cnn", 40, "img/s"),
             "gpt_small": Workload("gpt_small", 16, "seq/s",
                                   dict(vocabulary=8192, length=128, dim=256, heads=4, layers=4),

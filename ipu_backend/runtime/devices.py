@@ -7,6 +7,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from ipu_backend.errors import Error
+
 DEFAULT_CPU_DEVICES = 8
 REPLICA = "replica"
 """The name of the replica axis of every mesh."""
@@ -27,15 +29,27 @@ def reserve_cpu_devices(count: int | None = None) -> None:
         return
 
 
+def _backend() -> str:
+    """The kind of JAX device in use, as a user names it: CPU, GPU, TPU."""
+    return jax.default_backend().upper()
+
+
+def _one_each(what: str, count: int) -> str:
+    """How to give each of ``count`` ``what`` a JAX device of its own on the backend in use."""
+    if jax.default_backend() == "cpu":
+        return (f" Set IPU_BACKEND_CPU_DEVICES={count} (or more) before the first JAX computation "
+                f"for one device per {what}.")
+    return ""
+
+
 def replica_mesh(replicas: int) -> Mesh:
     """A 1-D mesh over as many devices as divide ``replicas``; the rest fold onto them."""
     available = jax.devices()
     count = max(d for d in range(1, min(replicas, len(available)) + 1) if replicas % d == 0)
     if count < replicas:
-        warnings.warn(f"{replicas} replicas run on {count} JAX device(s) ({len(available)} available): "
-                      f"{replicas // count} replicas share each device, with identical numerics. Set "
-                      "IPU_BACKEND_CPU_DEVICES before the first JAX computation for one device each.",
-                      stacklevel=3)
+        warnings.warn(f"{replicas} replicas run on {count} JAX {_backend()} device(s) ({len(available)} "
+                      f"available): {replicas // count} replicas share each device, with identical "
+                      f"numerics.{_one_each('replica', replicas)}", stacklevel=3)
     return Mesh(np.array(available[:count]), (REPLICA,))
 
 
@@ -49,3 +63,27 @@ def memory_in_use() -> list[int]:
             if shard.device in used:
                 used[shard.device] += shard.data.nbytes
     return [used[d] for d in devices]
+
+
+def ipu_devices(num_ipus: int, replicas: int) -> list[list]:
+    """The JAX device of each emulated IPU of a model split over ``num_ipus`` IPUs, as
+    ``[ipu][replica]``. With enough devices, replica ``r`` of IPU ``i`` is device
+    ``r · num_ipus + i``. With fewer (one GPU, one CPU device), each replica's IPUs share the
+    devices left to it — IPU ``i`` on its ``i mod p``-th of ``p`` — as replicas fold onto
+    devices: one program runs at a time on a device, with identical numerics. Each replica
+    needs a device of its own."""
+    available = jax.devices()
+    per_replica = min(num_ipus, len(available) // replicas)
+    if per_replica == 0:
+        raise Error(f"a model split over IPUs runs each replica on JAX devices of its own (its IPUs "
+                    f"may share one): {replicas} replicas need {replicas} devices, but JAX has "
+                    f"{len(available)} {_backend()} device(s). Use at most {len(available)} "
+                    f"replicas here.{_one_each('emulated IPU', num_ipus * replicas)}")
+    if per_replica < num_ipus:
+        warnings.warn(f"{num_ipus} IPUs × {replicas} replicas run on {per_replica * replicas} JAX "
+                      f"{_backend()} device(s) ({len(available)} available): each device carries "
+                      f"{-(-num_ipus // per_replica)} emulated IPUs' programs, one at a time, with "
+                      f"identical numerics.{_one_each('emulated IPU', num_ipus * replicas)}",
+                      stacklevel=4)
+    return [[available[r * per_replica + i % per_replica] for r in range(replicas)]
+            for i in range(num_ipus)]

@@ -2,7 +2,8 @@
 sharded, with the numbers of single-IPU training.
 
 One compiled program per stage and role on the stage's devices (one device per replica: replica
-``r`` of IPU ``i`` is JAX device ``r · num_ipus + i``, see :mod:`~ipu_backend.runtime.stage_program`),
+``r`` of IPU ``i`` is JAX device ``r · num_ipus + i``, or one its other IPUs share where JAX has
+fewer devices, see :func:`~ipu_backend.runtime.devices.ipu_devices`),
 driven by a host loop in the order of :mod:`~ipu_backend.runtime.schedule` that only dispatches:
 every computation, gradient accumulation included, happens inside the stage programs, so the host
 never waits and stages on different devices overlap.

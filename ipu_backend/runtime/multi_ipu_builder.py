@@ -15,6 +15,7 @@ from ipu_backend.compiler.dtypes import jax_dtype
 from ipu_backend.errors import Error
 from ipu_backend.runtime import memory
 from ipu_backend.runtime.clipping import GradientClipping
+from ipu_backend.runtime.devices import ipu_devices
 from ipu_backend.runtime.memory import tree_bytes
 from ipu_backend.runtime.multi_ipu import MultiIpuProgram
 from ipu_backend.runtime.schedule import Schedule, stashed_micro_batches
@@ -74,15 +75,6 @@ def check_metric_states(program, schedule: Schedule) -> None:
                     "returns all outputs (validation/test), or use their functional forms")
 
 
-def _devices(num_ipus: int, replicas: int) -> list:
-    devices = jax.devices()
-    if num_ipus * replicas > len(devices):
-        raise Error(f"the model needs {num_ipus} IPUs × {replicas} replicas = {num_ipus * replicas} emulated "
-                    f"IPUs, but JAX has {len(devices)} device(s): set IPU_BACKEND_CPU_DEVICES="
-                    f"{num_ipus * replicas} (or more) before the first JAX computation")
-    return devices
-
-
 def _export(model, micro: tuple, training: bool, method: str | None):
     target = model if method is None else capture.StepCall(model, method)
     was_training = model.training
@@ -116,7 +108,7 @@ def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, set
     check_metric_states(program, schedule)
     _check_stage_counts(part, schedule, training, pipelined)
     check_ipu_count(part.num_ipus * schedule.replicas, settings.auto_round_num_ipus)
-    devices = _devices(part.num_ipus, schedule.replicas)
+    devices = ipu_devices(part.num_ipus, schedule.replicas)
     multi = MultiIpuSettings(training=training, pipelined=pipelined, schedule=schedule, loss_index=loss_index,
                              recompute=settings.recomputation if training else 0,
                              offload=training and not settings.optimizer_on_chip,
@@ -134,8 +126,8 @@ def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, set
               for n, p in torch.nn.Module.named_parameters(model)}
     buffers = {n: jax.ShapeDtypeStruct(tuple(b.shape), jax_dtype(b.dtype))
                for n, b in torch.nn.Module.named_buffers(model)}
-    stages = [StageProgram(part, plan, [devices[r * part.num_ipus + plan.ipu] for r in range(schedule.replicas)],
-                           multi, params, buffers, input_avals, static_inputs, rule)
+    stages = [StageProgram(part, plan, devices[plan.ipu], multi, params, buffers, input_avals,
+                           static_inputs, rule)
               for plan in part.stages]
     hyper_avals = None if hyper is None else jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), hyper)
     usage = []

@@ -221,10 +221,16 @@ def test_ipu_count_must_be_a_power_of_two_unless_rounded():
         torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-6)
 
 
-def test_more_ipus_than_devices_and_unknown_strategies_are_refused():
+def test_more_ipus_than_devices_share_them_more_replicas_and_unknown_strategies_are_refused():
     opts = poptorch.Options().deviceIterations(3).replicationFactor(4).autoRoundNumIPUs(True)
-    with pytest.warns(UserWarning), pytest.raises(poptorch.Error, match="emulated IPUs, but JAX has 8 device"):
-        poptorch.inferenceModel(ThreeIpus(), opts).compile(torch.randn(12, 4))
+    model = ThreeIpus()
+    with pytest.warns(UserWarning, match="3 IPUs × 4 replicas run on 8 JAX CPU device.*2 emulated IPUs"):
+        out = poptorch.inferenceModel(model, opts)(x := torch.randn(36, 4))
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-6)
+    with pytest.raises(poptorch.Error, match="16 replicas need 16 devices, but JAX has 8 CPU device.*"
+                                             "IPU_BACKEND_CPU_DEVICES=48"):
+        poptorch.inferenceModel(ThreeIpus(), opts.clone().replicationFactor(16)).compile(torch.randn(144, 4))
     opts = poptorch.Options().deviceIterations(4).setExecutionStrategy("phased")
     with pytest.raises(poptorch.Error, match="is not emulated"):
         poptorch.inferenceModel(TwoStages(), opts).compile(torch.randn(4, 6))
