@@ -37,12 +37,19 @@ def jax_dtype(dtype: torch.dtype):
 
 def to_jax(tensor: torch.Tensor):
     """Copy a torch tensor to a JAX array of its device dtype."""
+    return jnp.asarray(_numpy(tensor), dtype=jax_dtype(tensor.dtype))
+
+
+def to_host_array(tensor: torch.Tensor) -> np.ndarray:
+    """A torch tensor as a numpy array of its device dtype (host data to stack before a copy)."""
+    return np.asarray(_numpy(tensor), dtype=jax_dtype(tensor.dtype))
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
     tensor = tensor.detach()
     if tensor.dtype == torch.bfloat16:
-        array = tensor.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    else:
-        array = tensor.cpu().numpy()
-    return jnp.asarray(array, dtype=jax_dtype(tensor.dtype))
+        return tensor.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.cpu().numpy()
 
 
 def to_torch(array, dtype: torch.dtype | None = None) -> torch.Tensor:

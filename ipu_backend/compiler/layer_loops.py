@@ -38,6 +38,27 @@ class LoopPlan:
         return layer * self.template.output_count + output
 
 
+@dataclass(frozen=True)
+class Stack:
+    """Parameters one loop reads as one column of its weights: ``members`` (state_dict names,
+    layer by layer), which a caller may pass as one array stacked on a new leading axis under
+    ``key`` (``blocks.0:24.qkv.weight`` for ``blocks.0.qkv.weight`` ... ``blocks.23.qkv.weight``):
+    the loop then reads that array as it is, and the program's boundary has one parameter, not
+    one per layer."""
+
+    key: str
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StackedMember:
+    """What a stack member's placeholder holds when the program is given the stack: the loop that
+    reads every member takes ``stacked`` whole."""
+
+    stacked: object
+    index: int
+
+
 def layer_loop(inputs, state):
     """The target of a chain's node: ``inputs`` and ``state`` per layer (the carried inputs of
     all but the first are None), lowered in ``lowerings/layers.py``."""
@@ -148,6 +169,40 @@ def _replace(graph: torch.fx.Graph, chain: list[torch.fx.Node]) -> None:
     for node in list(loop.users):
         if values[node.args[1]] is None:
             graph.erase_node(node)
+
+
+def parameter_stacks(graph_module: torch.fx.GraphModule, param_of: dict) -> tuple[Stack, ...]:
+    """The stacks of the graph's loops: each column of a loop's weights whose members are
+    distinct parameters (``param_of``: placeholder node -> name) that nothing else reads, named
+    as one layer path with consecutive indices."""
+    stacks = []
+    for node in graph_module.graph.nodes:
+        if node.target is not layer_loop:
+            continue
+        rows = node.args[1]
+        suffixes = node.meta[PLAN_KEY].template.call.state_names
+        for position, suffix in enumerate(suffixes):
+            column = [row[position] for row in rows]
+            if len(set(column)) == len(column) and all(n in param_of and len(n.users) == 1 for n in column):
+                key = _stack_key([param_of[n] for n in column], suffix)
+                if key is not None:
+                    stacks.append(Stack(key, tuple(param_of[n] for n in column)))
+    return tuple(stacks)
+
+
+def _stack_key(names: list[str], suffix: str) -> str | None:
+    """``parent.first:end.suffix`` for ``parent.i.suffix`` with consecutive ``i``, else None."""
+    paths = [name[:-len(suffix) - 1] for name in names if name.endswith("." + suffix)]
+    if len(paths) != len(names):
+        return None
+    parents, indices = zip(*(path.rpartition(".")[::2] for path in paths))
+    if len(set(parents)) != 1 or not all(i.isdigit() for i in indices):
+        return None
+    first = int(indices[0])
+    if [int(i) for i in indices] != list(range(first, first + len(names))):
+        return None
+    parent = parents[0] + "." if parents[0] else ""
+    return f"{parent}{first}:{first + len(names)}.{suffix}"
 
 
 def unrolled(nodes):

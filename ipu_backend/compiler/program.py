@@ -36,7 +36,8 @@ class Program:
     positional arguments (JAX arrays where torch had tensors); ``new_buffers`` holds every
     buffer, mutated ones updated. ``logged_fn`` also returns the ``self.log`` values by name.
     When the program updates some of its inputs in place (``mutated_inputs``: their indices among
-    the flattened inputs), ``outputs`` is ``(outputs, new values of those inputs)``.
+    the flattened inputs), ``outputs`` is ``(outputs, new values of those inputs)``. ``params``
+    may hold the members of each of ``stacks`` as one stacked array under its key.
     """
 
     logged_fn: Callable
@@ -48,6 +49,8 @@ class Program:
     source_locations: dict
     graph_module: torch.fx.GraphModule
     mutated_inputs: tuple[int, ...] = ()
+    stacks: tuple[layer_loops.Stack, ...] = ()
+    """Parameters that ``params`` may hold stacked, one array per stack (see ``layer_loops.Stack``)."""
 
     @property
     def num_mutations(self) -> int:
@@ -198,6 +201,10 @@ def _build(module, exported, prefix: str, logs: tuple | None) -> Program:
     param_names = {name for kind, name in inputs if kind == InputKind.PARAMETER}
     buffer_names = {name for kind, name in inputs if kind == InputKind.BUFFER}
     graph_module = exported.graph_module
+    placeholders = [node for node in graph_module.graph.nodes if node.op == "placeholder"]
+    stacks = layer_loops.parameter_stacks(graph_module, {node: name for node, (kind, name) in zip(placeholders, inputs)
+                                                         if kind == InputKind.PARAMETER})
+    member_of = {name: (stack.key, index) for stack in stacks for index, name in enumerate(stack.members)}
     in_spec = exported.call_spec.in_spec
     out_spec = exported.call_spec.out_spec
     n_mutated = len(mutation_kinds)
@@ -212,7 +219,8 @@ def _build(module, exported, prefix: str, logs: tuple | None) -> Program:
         graph_inputs = []
         for kind, value in inputs:
             if kind == InputKind.PARAMETER:
-                graph_inputs.append(params[value])
+                graph_inputs.append(params[value] if value in params or value not in member_of
+                                    else layer_loops.StackedMember(params[member_of[value][0]], member_of[value][1]))
             elif kind == InputKind.BUFFER:
                 graph_inputs.append(buffers[value])
             elif kind == InputKind.CONSTANT_TENSOR:
@@ -245,4 +253,5 @@ def _build(module, exported, prefix: str, logs: tuple | None) -> Program:
         source_locations=locations,
         graph_module=graph_module,
         mutated_inputs=tuple(mutated_inputs),
+        stacks=stacks,
     )

@@ -31,6 +31,7 @@ from ipu_backend.runtime.multi_ipu import MultiIpuProgram
 from ipu_backend.runtime.multi_ipu_builder import build
 from ipu_backend.runtime.optimizers import needs_running_mean, optimizer_rule
 from ipu_backend.runtime.outputs import host_inputs, inputs_to_device
+from ipu_backend.runtime.packing import Packing, stacks_for_optimizer
 from ipu_backend.runtime.recording import SINGLE_IPU
 from ipu_backend.runtime.schedule import Schedule
 from ipu_backend.runtime.stages import has_blocks
@@ -241,7 +242,8 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
 
     def copyWeightsToDevice(self) -> None:  # noqa: N802
         self._refuse_if_destroyed()
-        self._store.load_from_host()
+        compiled = next(iter(self._compiled.values()), None)
+        self._store.load_from_host(Packing() if compiled is None else compiled.packing)
         if self._opt_state is not None and self._schedule().master_weights:
             self._opt_state = {**self._opt_state, "master": master_copy(self._store.params)}
 
@@ -376,7 +378,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         inputs = inputs_to_device(args, schedule, mesh) if place_inputs else host_inputs(args, schedule)
         key = self._base_key()
         index = np.uint32(self._next_call_index() if advance else 0)
-        params, buffers = self._store.device_state()
+        params, buffers = self._store.device_state(compiled.packing)
         state = {"params": params, "buffers": buffers}
         if self._training:
             hyper = self._hyperparameters(compiled.rule, mesh, groups)
@@ -445,17 +447,20 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         totals = totals_of(program.logs)
         log_dtypes.update({name + TOTAL_SUFFIX: log_dtypes[name] for name in totals})
         rule, loss_index = self._rule_and_loss(program)
+        names = {id(p): n for n, p in torch.nn.Module.named_parameters(model)}
         if has_blocks(program.graph_module):        # split over IPUs
             multi = self._split_program(micro, schedule, program, rule, loss_index)
             if multi is not None:
                 return CompiledStep(multi, program, multi.layout, dtypes, log_dtypes, (multi.rule,), multi_ipu=True)
         if not self._training:
             return CompiledStep(inference_call(forward, schedule, mesh, layout, totals), program, layout, dtypes,
-                                log_dtypes)
+                                log_dtypes, packing=Packing(program.stacks))
+        packing = Packing(stacks_for_optimizer(program.stacks, self._optimizer, names))
+        rule = optimizer_rule(self._optimizer, names, packing.stacks)
         if self._gradient_clipping is not None:
             rule = self._gradient_clipping.wrap(rule)
         call = training_call(forward, loss_index, rule, schedule, mesh, layout, totals)
-        return CompiledStep(call, program, layout, dtypes, log_dtypes, (rule,))
+        return CompiledStep(call, program, layout, dtypes, log_dtypes, (rule,), packing=packing)
 
     def _rule_and_loss(self, program) -> tuple:
         """The optimizer's update rule and the index of the loss among ``program``'s array results

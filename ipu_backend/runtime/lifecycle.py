@@ -24,6 +24,7 @@ from ipu_backend.errors import Error
 from ipu_backend.runtime import compilation_cache, host_idle, memory, perf_counters
 from ipu_backend.runtime.devices import replica_mesh
 from ipu_backend.runtime.outputs import output_to_host
+from ipu_backend.runtime.packing import Packing
 from ipu_backend.runtime.recording import NullRecorder, ProgramFacts, StageFacts
 from ipu_backend.runtime.schedule import Schedule
 from ipu_backend.runtime.settings import RunSettings
@@ -41,8 +42,11 @@ class CompiledStep:
     """One compiled call and what the host needs to use it."""
 
     def __init__(self, call, program, layout: OutputLayout, output_dtypes: list, log_dtypes: dict,
-                 rules: tuple = (), multi_ipu: bool = False, events: tuple | None = None):
+                 rules: tuple = (), multi_ipu: bool = False, events: tuple | None = None,
+                 packing: Packing = Packing()):
         self.call, self.program, self.layout = call, program, layout
+        self.packing = packing
+        """How the call takes and returns the parameters (a loop's layers stacked: packing.py)."""
         self.output_dtypes, self.log_dtypes = output_dtypes, log_dtypes
         self.rules = rules
         """The optimizer rules of the program's optimizers (none for inference)."""
@@ -268,7 +272,7 @@ class Executor:
         launched = perf_counters.now()
         self._profiler.computed(state, arrays, logs)
         self._keep(compiled, state)
-        self._store.update(state["params"], state["buffers"])
+        self._store.update(state["params"], state["buffers"], compiled.packing)
         self.last_program = compiled.program
         host_idle.run_queued()
         jax.block_until_ready(arrays)

@@ -108,8 +108,15 @@ class OptimizerRule:
 
     algorithm = ""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, param_names: Mapping[int, str]):
-        self.groups = self._group_names(optimizer, param_names)
+    def __init__(self, optimizer: torch.optim.Optimizer, param_names: Mapping[int, str], stacks=()):
+        self.member_groups = self._group_names(optimizer, param_names)
+        """The parameters of each group by name, as the torch optimizer holds them."""
+        self.stacked = {stack.key: stack.members for stack in stacks}
+        """Stack key -> its members: parameters updated as one array stacked on a leading axis
+        (a loop's layers, see ``ipu_backend.compiler.layer_loops.Stack``), each member with a step
+        count of its own."""
+        self._member_of = {name: (stack.key, index) for stack in stacks for index, name in enumerate(stack.members)}
+        self.groups = self._stacked_groups(self.member_groups)
         self.names = tuple(name for names in self.groups for name in names)
         self._param_ids = self._ids(optimizer)
         self._options, self._group_options = self._static(optimizer)
@@ -128,7 +135,8 @@ class OptimizerRule:
                            for slot, (dtype, initial) in self._slots(options).items()}
                 # A parameter that keeps no moments keeps no step count either (plain SGD, whose
                 # torch state stays empty): a call then carries nothing in or out for it.
-                state[name] = {"step": jnp.zeros((), jnp.int32), **moments} if moments else {}
+                steps = (len(self.stacked[name]),) if name in self.stacked else ()
+                state[name] = {"step": jnp.zeros(steps, jnp.int32), **moments} if moments else {}
         return state
 
     def hyperparameters(self, optimizer: torch.optim.Optimizer) -> dict:
@@ -158,25 +166,27 @@ class OptimizerRule:
             grads = clip_by_global_norm(grads, self.names, hyper["max_grad_norm"])
         new_params, new_state = dict(params), {}
         for options, names, group_hyper in zip(self._group_options, self.groups, hyper["groups"]):
-            for name in names:
-                slots = state[name]
+            def step_one(param, grad, slots, group_hyper=group_hyper, options=options):
                 step = slots["step"] + 1 if "step" in slots else None
-                moments = {slot: value.astype(jnp.float32) for slot, value in slots.items()
-                           if slot != "step"}
-                param, moments = self._step(params[name].astype(jnp.float32), grads[name], moments,
-                                            step, group_hyper, options)
-                new_params[name] = param.astype(params[name].dtype)
-                new_state[name] = {slot: value.astype(slots[slot].dtype) for slot, value in moments.items()}
+                moments = {slot: value.astype(jnp.float32) for slot, value in slots.items() if slot != "step"}
+                new_param, moments = self._step(param.astype(jnp.float32), grad, moments, step,
+                                                group_hyper, options)
+                new_slots = {slot: value.astype(slots[slot].dtype) for slot, value in moments.items()}
                 if step is not None:
-                    new_state[name]["step"] = step
+                    new_slots["step"] = step
+                return new_param.astype(param.dtype), new_slots
+
+            for name in names:
+                update = jax.vmap(step_one) if name in self.stacked else step_one
+                new_params[name], new_state[name] = update(params[name], grads[name], state[name])
         return new_params, new_state
 
     def state_to_torch(self, state: Mapping, optimizer: torch.optim.Optimizer) -> None:
         """Write ``state`` into ``optimizer.state`` as torch's own step would have left it."""
         self._require_same(optimizer)
-        for options, names, group in zip(self._group_options, self.groups, optimizer.param_groups):
+        for options, names, group in zip(self._group_options, self.member_groups, optimizer.param_groups):
             for name, param in zip(names, group["params"]):
-                slots = {slot: np.asarray(value) for slot, value in state[name].items()}
+                slots = {slot: np.asarray(value) for slot, value in self._member_state(state, name).items()}
                 torch_state = self._to_torch(slots, group, options)
                 if torch_state:
                     optimizer.state[param] = torch_state
@@ -189,12 +199,42 @@ class OptimizerRule:
         without torch state start fresh."""
         self._require_same(optimizer)
         state = self.init(params)
-        for options, names, group in zip(self._group_options, self.groups, optimizer.param_groups):
+        members = {}
+        for options, names, group in zip(self._group_options, self.member_groups, optimizer.param_groups):
             for name, param in zip(names, group["params"]):
                 torch_state = optimizer.state.get(param)
+                slots = self._member_state(state, name)
                 if torch_state:
-                    state[name] = self._from_torch(torch_state, state[name], group, options, name)
+                    slots = self._from_torch(torch_state, slots, group, options, name)
+                if name in self._member_of:
+                    members[name] = slots
+                else:
+                    state[name] = slots
+        for key, stacked in self.stacked.items():
+            if key in state:
+                state[key] = jax.tree.map(lambda *values: jnp.stack(values), *(members[m] for m in stacked))
         return state
+
+    def _member_state(self, state: Mapping, name: str) -> dict:
+        """The state slots of parameter ``name``, taken from its stack's when it is a member."""
+        if name not in self._member_of:
+            return state[name]
+        key, index = self._member_of[name]
+        return {slot: value[index] for slot, value in state[key].items()}
+
+    def _stacked_groups(self, member_groups: tuple) -> tuple:
+        """``member_groups`` with each stack's members replaced by its key (where the first is)."""
+        groups, seen = [], {}
+        for index, names in enumerate(member_groups):
+            group = []
+            for name in names:
+                key = self._member_of.get(name, (name,))[0]
+                if seen.setdefault(key, index) != index:
+                    raise Error(f"the parameters stacked as {key} are in different param groups")
+                if key not in group:
+                    group.append(key)
+            groups.append(tuple(group))
+        return tuple(groups)
 
     # --- per algorithm ----------------------------------------------------------------------
     def _read_options(self, optimizer) -> dict:
@@ -544,7 +584,8 @@ def _rule_class(optimizer: torch.optim.Optimizer) -> type[OptimizerRule]:
                 "poptorch.optim.LAMB")
 
 
-def optimizer_rule(optimizer: torch.optim.Optimizer, param_names: Mapping[int, str]) -> OptimizerRule:
+def optimizer_rule(optimizer: torch.optim.Optimizer, param_names: Mapping[int, str], stacks=()) -> OptimizerRule:
     """The update rule of ``optimizer`` (torch's SGD, Adam, AdamW, RMSprop or ours, LAMB too),
-    ``param_names`` mapping ``id(parameter) -> name``."""
-    return _rule_class(optimizer)(optimizer, param_names)
+    ``param_names`` mapping ``id(parameter) -> name``; the members of each of ``stacks`` are
+    updated as one stacked array under its key (each within one param group)."""
+    return _rule_class(optimizer)(optimizer, param_names, stacks)

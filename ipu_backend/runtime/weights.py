@@ -11,32 +11,43 @@ import jax
 import torch
 
 from ipu_backend.compiler import to_jax, to_torch
+from ipu_backend.compiler.dtypes import to_host_array
 from ipu_backend.errors import Error
+from ipu_backend.runtime.packing import Packing
 
 _STORES: "weakref.WeakKeyDictionary[torch.nn.Module, WeightStore]" = weakref.WeakKeyDictionary()
 
 
 class WeightStore:
-    """Parameters and buffers of one module as JAX arrays, with the direction of staleness."""
+    """Parameters and buffers of one module as JAX arrays, with the direction of staleness. The
+    parameters are laid out as ``packing`` says (some stacked, see ``runtime/packing.py``): as the
+    program that computed them last wants them."""
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
         self.params: dict | None = None
+        self.packing = Packing()
         self.buffers: dict | None = None
         self.host_stale = False        # the device has weights the module does not show yet
         self.on_host_sync = []         # callbacks run after weights reach the host (optimizer state)
         self.executors = weakref.WeakSet()   # the executors using these weights (``module.destroy()``)
 
-    def device_state(self) -> tuple[dict, dict]:
-        """The weights for the next device call, read from the module when the device has none."""
+    def device_state(self, packing: Packing = Packing()) -> tuple[dict, dict]:
+        """The weights for the next device call, parameters laid out as ``packing`` says, read
+        from the module when the device has none."""
         if self.params is None:
-            self.load_from_host()
+            self.load_from_host(packing)
+        if packing != self.packing:
+            self.params, self.packing = packing.repack(self.packing, self.params), packing
         return self.params, self.buffers
 
-    def load_from_host(self) -> None:
-        """The module's current values become the device's (``copyWeightsToDevice``)."""
+    def load_from_host(self, packing: Packing = Packing()) -> None:
+        """The module's current values become the device's (``copyWeightsToDevice``), parameters
+        laid out as ``packing`` says (stacked on the host, before the copy)."""
         self.host_stale = False
-        self.params = {n: to_jax(p) for n, p in torch.nn.Module.named_parameters(self.module)}
+        host = {n: to_host_array(p) for n, p in torch.nn.Module.named_parameters(self.module)}
+        self.params = jax.device_put(packing.pack_host(host))
+        self.packing = packing
         self.buffers = {n: to_jax(b) for n, b in torch.nn.Module.named_buffers(self.module)}
 
     def load_buffers_from_host(self, names) -> None:
@@ -49,9 +60,10 @@ class WeightStore:
             raise Error(f"updatableNamedBuffers names buffers the model does not have: {unknown}")
         self.buffers = {**self.buffers, **{name: to_jax(host[name]) for name in names}}
 
-    def update(self, params: dict, buffers: dict) -> None:
-        """New weights computed on the device; the host copy is refreshed lazily."""
-        self.params, self.buffers = params, buffers
+    def update(self, params: dict, buffers: dict, packing: Packing = Packing()) -> None:
+        """New weights computed on the device (parameters laid out as ``packing`` says); the host
+        copy is refreshed lazily."""
+        self.params, self.buffers, self.packing = params, buffers, packing
         self.host_stale = True
 
     def sync_to_host(self) -> None:
@@ -60,6 +72,7 @@ class WeightStore:
             return
         self.host_stale = False
         host = jax.device_get((self.params, self.buffers))
+        host = (self.packing.unpack_host(host[0]), host[1])
         with torch.no_grad():
             for source, named in ((host[0], torch.nn.Module.named_parameters(self.module)),
                                   (host[1], torch.nn.Module.named_buffers(self.module))):

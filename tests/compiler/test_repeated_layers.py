@@ -17,6 +17,7 @@ from ipu_backend.compiler import compile_module, to_jax
 from ipu_backend.compiler.layer_calls import REPEATED_LAYER
 from ipu_backend.compiler.layer_loops import layer_loop
 from ipu_backend.runtime.executor import multi_ipu_program
+from ipu_backend.runtime.weights import weight_store
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -153,6 +154,7 @@ def test_gpt_training_steps_equal_torch_and_the_unrolled_program(layers, optimiz
     expected = torch_steps(reference, optimizer(reference.parameters()), batches)
     losses, executor = ipu_steps(model, optimizer(model.parameters()), batches)
     assert count(executor.last_program, layer_loop) == 1
+    assert len(weight_store(model).packing.stacks) == 12        # every block weight travels stacked
     torch.testing.assert_close(losses, expected, rtol=RTOL, atol=ATOL)
     assert_same_state(model, reference)
     if layers == 4:
@@ -165,6 +167,52 @@ def test_gpt_training_steps_equal_torch_and_the_unrolled_program(layers, optimiz
         torch.testing.assert_close(executor._optimizer.state_dict()["state"][3]["exp_avg"],
                                    unrolled_executor._optimizer.state_dict()["state"][3]["exp_avg"],
                                    rtol=RTOL, atol=ATOL)
+
+
+def test_stacked_optimizer_state_round_trips_through_torch():
+    """Two steps, the weights and the optimizer state read back into torch's objects, a new
+    executor from them, a third step: as three steps of torch."""
+    torch.manual_seed(8)
+    model = TinyGPT(3)
+    reference = copy.deepcopy(model)
+    batches = [gpt_batch(seed=s) for s in range(3)]
+    expected = torch_steps(reference, adamw(reference.parameters()), batches)
+    optimizer = adamw(model.parameters())
+    first = poptorch.trainingModel(model, poptorch.Options(), optimizer)
+    for args in batches[:2]:
+        first(*args)
+    first.copyWeightsToHost()
+    weights, state = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    assert state["state"][2]["exp_avg"].shape == model.blocks[0].ln1.weight.shape
+    fresh = TinyGPT(3)
+    fresh.load_state_dict(weights)
+    fresh_optimizer = adamw(fresh.parameters())
+    fresh_optimizer.load_state_dict(state)
+    loss = poptorch.trainingModel(fresh, poptorch.Options(), fresh_optimizer)(*batches[2])[1]
+    torch.testing.assert_close(loss, expected[2], rtol=RTOL, atol=ATOL)
+    assert_same_state(fresh, reference)
+
+
+def test_frozen_layers_and_an_inference_model_of_another_layout_share_the_weights():
+    """The blocks' first LayerNorm frozen (outside the optimizer, still stacked), then an
+    unrolled inference model of the same module reads the weights the looped one trained."""
+    torch.manual_seed(9)
+    model = TinyGPT(4)
+    for block in model.blocks:
+        block.ln1.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    batches = [gpt_batch(seed=s) for s in range(2)]
+    trained = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
+    expected = torch_steps(reference, sgd(trained(reference)), batches)
+    losses, _ = ipu_steps(model, sgd(trained(model)), batches)
+    assert {stack.key for stack in weight_store(model).packing.stacks} >= {"blocks.0:4.ln1.weight"}
+    torch.testing.assert_close(losses, expected, rtol=RTOL, atol=ATOL)
+    inference = poptorch.inferenceModel(model, poptorch.Options().loopRepeatedLayers(False))
+    logits = inference(*batches[0])[0]
+    assert weight_store(model).packing.stacks == ()
+    reference.eval()
+    torch.testing.assert_close(logits, reference(*batches[0])[0], rtol=RTOL, atol=ATOL)
+    assert_same_state(model, reference)
 
 
 class Encoder(nn.Module):

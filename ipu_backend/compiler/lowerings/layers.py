@@ -1,15 +1,28 @@
 """Lowerings: repeated layers (``layer_calls``). A call runs its template's program on the
 layer's inputs and weights; a chain of calls (``layer_loops``) is one ``lax.scan`` over the
-layers, its weights stacked, each layer with its own random key."""
+layers, its weights stacked, each layer with its own random key.
+
+The loop's body keeps for the backward pass only the results of its matrix products, and
+recomputes the rest (``LOOP_RESIDUALS``): each value a loop keeps is written to, and read back
+from, a buffer stacked over the layers, which on XLA:CPU costs more than recomputing the
+element-wise work that made it (the numbers are the same; see the performance guide)."""
 
 import jax
 import jax.numpy as jnp
 import torch.utils._pytree as torch_pytree
 
 from ipu_backend.compiler.layer_calls import REPEATED_LAYER, TEMPLATE_KEY, Template
-from ipu_backend.compiler.layer_loops import PLAN_KEY, layer_loop
+from ipu_backend.compiler.layer_loops import PLAN_KEY, StackedMember, layer_loop
 from ipu_backend.compiler.lowering_options import lowering_options
+from ipu_backend.compiler.lowerings.linalg import MATRIX_PRODUCT_NAME
 from ipu_backend.compiler.registry import lowering
+
+
+LOOP_RESIDUALS = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    jax.checkpoint_policies.save_only_these_names(MATRIX_PRODUCT_NAME))
+"""What a loop's body keeps for the backward pass: matrix products, whether XLA's (``dot``) or the
+CPU's own (``lowerings/linalg.py``, named ``MATRIX_PRODUCT_NAME``)."""
 
 
 def run_template(template: Template, inputs, state, key) -> list:
@@ -30,7 +43,7 @@ def repeated_layer(ctx, inputs, state, call):
 
 def _columns(rows, skip=()) -> tuple[dict, dict]:
     """Per position of ``rows`` (one row per layer): the value all layers share, or the layers'
-    values stacked on a new leading axis."""
+    values stacked on a new leading axis (as given, for a stack of parameters passed whole)."""
     shared, stacked = {}, {}
     for position in range(len(rows[0])):
         if position in skip:
@@ -38,9 +51,16 @@ def _columns(rows, skip=()) -> tuple[dict, dict]:
         column = [row[position] for row in rows]
         if all(value is column[0] for value in column):
             shared[position] = column[0]
+        elif _given_whole(column):
+            stacked[position] = column[0].stacked
         else:
             stacked[position] = jnp.stack(column)
     return shared, stacked
+
+
+def _given_whole(column) -> bool:
+    return all(isinstance(value, StackedMember) and value.stacked is column[0].stacked and value.index == index
+               for index, value in enumerate(column))
 
 
 @lowering(layer_loop)
@@ -61,7 +81,7 @@ def repeated_layer_loop(ctx, inputs, state):
 
     start = tuple(inputs[0][p] for p in carried)
     with lowering_options(conv_algorithm="in_loop"):
-        final, ys = jax.lax.scan(body, start, ((stacked_inputs, stacked_state), jnp.arange(plan.layers)))
+        final, ys = jax.lax.scan(jax.checkpoint(body, policy=LOOP_RESIDUALS, prevent_cse=False), start, ((stacked_inputs, stacked_state), jnp.arange(plan.layers)))
     values = [None] * (plan.layers * plan.template.output_count)
     for output, y in zip(plan.stacked, ys):
         for layer in range(plan.layers):
