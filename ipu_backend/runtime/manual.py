@@ -69,6 +69,7 @@ from ipu_backend.runtime.step import (
     iteration_keys,
     loop_scan,
     next_scaler,
+    per_device,
     replica_keys,
     replica_sum,
 )
@@ -245,7 +246,7 @@ class ManualStepExecutor(Executor):
             per_step.append(tuple(rule.hyperparameters(opt) for rule, opt in zip(compiled.rules, self._optimizers)))
             if self._step_schedulers is not None:
                 self._step_schedulers(compiled.events)
-        return jax.tree.map(lambda *values: jnp.stack(values), *per_step)
+        return jax.tree.map(lambda *values: np.stack(values), *per_step)
 
     def _compile(self, args: tuple) -> CompiledStep:
         signature = (float32_precision.program_key(),) + input_signature(args)
@@ -361,7 +362,7 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
         params, buffers, opt_states, scaler = carry
         inputs, key, hypers = xs                                # inputs: [1, r, m, ...]
         inputs = jax.tree.map(lambda x: x[0], inputs)
-        keys = replica_keys(key, local)
+        keys = replica_keys(key, local, mesh.size)
         current = dict(params)
         latest = dict.fromkeys(params)
         versions = [{n: params[n] for n in groups[s.optimizer]} for s in steps]
@@ -427,6 +428,6 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
         arrays, logs = call_outputs(*ys, schedule, totals)
         return {"params": params, "buffers": buffers, "opt": opt_states, "scaler": scaler}, arrays, logs
 
-    sharded = jax.shard_map(device_program, mesh=mesh, in_specs=(P(), P(None, None, REPLICA), P(), P(), P()),
-                            out_specs=(P(), P(REPLICA), P(REPLICA)), check_vma=False)
+    sharded = per_device(device_program, mesh, in_specs=(P(), P(None, None, REPLICA), P(), P(), P()),
+                         out_specs=(P(), P(REPLICA), P(REPLICA)))
     return jax.jit(sharded, donate_argnums=(0,))

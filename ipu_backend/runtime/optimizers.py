@@ -5,7 +5,7 @@ once (which parameters are in which group, nesterov, amsgrad, accumulator dtypes
 jitted training step the executor then runs::
 
     state = rule.init(params)                               # name -> {slot: array}
-    hyper = rule.hyperparameters(torch_optimizer)           # lr, betas, ... as JAX scalars
+    hyper = rule.hyperparameters(torch_optimizer)           # lr, betas, ... as float32 scalars
     new_params, new_state = rule.update(grads, state, params, hyper)
 
 Everything ``setOptimizer`` or an LR scheduler may change is in ``hyper``, a program input, so
@@ -51,8 +51,10 @@ _OPTION_DEFAULTS = {
 _STATE_DTYPES = {torch.float32: jnp.float32, torch.float16: jnp.float16}
 
 
-def _scalar(value) -> jax.Array:
-    return jnp.asarray(float(value), jnp.float32)
+def _scalar(value) -> np.ndarray:
+    """A float32 scalar made on the host: the program's input, with no device computation (a
+    ``jnp`` array would compile a small program of its own)."""
+    return np.asarray(float(value), np.float32)
 
 
 def _optimizer_wide(optimizer: torch.optim.Optimizer, name: str):
@@ -126,17 +128,19 @@ class OptimizerRule:
 
     # --- the protocol ---------------------------------------------------------------------------
     def init(self, params: Mapping[str, jax.Array]) -> dict:
-        """Fresh state (torch's before its first step) for the optimizer's parameters."""
+        """Fresh state (torch's before its first step) for the optimizer's parameters, made on the
+        host (numpy: the first call copies it to the device; made with ``jnp``, each shape would
+        compile a small program of its own)."""
         self._require(params, "params")
         state = {}
         for options, names in zip(self._group_options, self.groups):
             for name in names:
-                moments = {slot: jnp.full(jnp.shape(params[name]), initial, dtype)
+                moments = {slot: np.full(jnp.shape(params[name]), initial, dtype)
                            for slot, (dtype, initial) in self._slots(options).items()}
                 # A parameter that keeps no moments keeps no step count either (plain SGD, whose
                 # torch state stays empty): a call then carries nothing in or out for it.
                 steps = (len(self.stacked[name]),) if name in self.stacked else ()
-                state[name] = {"step": jnp.zeros(steps, jnp.int32), **moments} if moments else {}
+                state[name] = {"step": np.zeros(steps, np.int32), **moments} if moments else {}
         return state
 
     def hyperparameters(self, optimizer: torch.optim.Optimizer) -> dict:

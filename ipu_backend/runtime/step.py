@@ -224,10 +224,19 @@ def iteration_keys(key, iterations: int):
     return jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(iterations))
 
 
-def replica_keys(key, local_replicas):
+def replica_keys(key, local_replicas, devices: int):
     """The key of each of this device's ``local_replicas`` replicas, from the call's ``key``."""
-    first = jax.lax.axis_index(REPLICA) * local_replicas
+    first = 0 if devices == 1 else jax.lax.axis_index(REPLICA) * local_replicas
     return jax.vmap(lambda i: jax.random.fold_in(key, first + i))(jnp.arange(local_replicas))
+
+
+def per_device(program: Callable, mesh, in_specs: tuple, out_specs: tuple) -> Callable:
+    """``program`` run on each device of the replica mesh (``shard_map``: arrays split by
+    ``in_specs``, results joined by ``out_specs``); on a one-device mesh, ``program`` itself, which
+    JAX traces without shard_map's per-device machinery."""
+    if mesh.size == 1:
+        return program
+    return jax.shard_map(program, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
 def replica_sum(tree, devices: int):
@@ -344,7 +353,7 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
         def accumulate(acc, micro):
             grads_sum, buffers = acc
             micro_inputs, index = micro
-            keys = replica_keys(jax.random.fold_in(key, index), local)
+            keys = replica_keys(jax.random.fold_in(key, index), local, mesh.size)
             grads, (arrays, new_buffers, logs) = replica_step(params, buffers, micro_inputs, keys, loss_scale)
             grads_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype).sum(0), grads_sum, grads)
             return (grads_sum, from_replica_zero(new_buffers, local, mesh.size)), (arrays, logs)
@@ -367,11 +376,8 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
             iteration, carry, (inputs, keys), schedule, totals or {})
         return {"params": params, "buffers": buffers, "opt": opt_state, "scaler": scaler}, arrays, logs
 
-    sharded = jax.shard_map(
-        device_program, mesh=mesh,
-        in_specs=(P(), P(None, None, REPLICA), P(), P(), P()),
-        out_specs=(P(), P(REPLICA), P(REPLICA)),
-        check_vma=False)
+    sharded = per_device(device_program, mesh, in_specs=(P(), P(None, None, REPLICA), P(), P(), P()),
+                         out_specs=(P(), P(REPLICA), P(REPLICA)))
     return jax.jit(sharded, donate_argnums=(0,))
 
 
@@ -391,7 +397,7 @@ def inference_call(forward: Callable, schedule: Schedule, mesh, layout: OutputLa
         def iteration(buffers, xs):
             micro_inputs, key = xs                       # micro_inputs: [1, r, m, ...]
             arrays, new_buffers = jax.vmap(replica_forward, in_axes=(None, 0, 0))(
-                buffers, jax.tree.map(lambda x: x[0], micro_inputs), replica_keys(key, local))
+                buffers, jax.tree.map(lambda x: x[0], micro_inputs), replica_keys(key, local, mesh.size))
             return from_replica_zero(new_buffers, local, mesh.size), jax.tree.map(lambda y: y[None], arrays)
 
         keys = iteration_keys(call_key(key, index), schedule.device_iterations)
@@ -399,9 +405,6 @@ def inference_call(forward: Callable, schedule: Schedule, mesh, layout: OutputLa
                                               totals or {})
         return {"params": params, "buffers": buffers}, arrays, logs
 
-    sharded = jax.shard_map(
-        device_program, mesh=mesh,
-        in_specs=(P(), P(None, None, REPLICA), P(), P()),
-        out_specs=(P(), P(REPLICA), P(REPLICA)),
-        check_vma=False)
+    sharded = per_device(device_program, mesh, in_specs=(P(), P(None, None, REPLICA), P(), P()),
+                         out_specs=(P(), P(REPLICA), P(REPLICA)))
     return jax.jit(sharded)
