@@ -221,6 +221,13 @@ class _OptionGroup:
         else:
             self._shared.recorded[name] = value
 
+    def toDict(self) -> dict[str, Any]:
+        """This group's settings by name, as ``toDict`` reports values (PopTorch's
+        ``opts.Training.toDict()``); ``Options.toDict`` gives every group's."""
+        settings = {key: _plain(value) for key, value in self._values.items()}
+        settings.update((name, getattr(self, name)) for name in type(self)._INERT)
+        return settings
+
     def __getattr__(self, name: str) -> Any:
         if not name.startswith("_") and name in type(self)._INERT:
             return copy.deepcopy(self._shared.recorded.get(name, self._INERT[name]))
@@ -750,6 +757,13 @@ class Options(_OptionGroup):
         torch.manual_seed(random_seed)
         self._values["random_seed"] = random_seed
         return self
+
+    @property
+    def _execution_strategy(self) -> Any:
+        """The strategy in effect, as PopTorch reads it back: the one set, else the default
+        ``PipelinedExecution()`` (stages follow the blocks' IPUs)."""
+        from ipu_backend.blocks import PipelinedExecution
+        return self._values["execution_strategy"] or PipelinedExecution()
 
     @_unless_frozen
     def setExecutionStrategy(self, strategy: Any) -> Self:

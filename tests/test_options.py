@@ -8,7 +8,7 @@ import jsonargparse
 import pytest
 import torch
 
-from ipu_backend import Error
+from ipu_backend import Error, PipelinedExecution, ShardedExecution
 from ipu_backend.enums import (
     CommGroupType,
     ConnectionType,
@@ -338,6 +338,20 @@ def test_to_dict_and_from_dict_round_trip():
         Options.from_dict({"replicas": 2})
     with pytest.raises(InvalidArgument, match=r"Unknown recorded option\(s\) \['nope'\]"):
         Options.from_dict({"recorded": {"nope": 1}})
+
+
+def test_option_groups_read_back_as_dicts_and_the_strategy_in_effect():
+    opts = Options(gradient_accumulation=4, reduction_type="sum", stochastic_rounding=True)
+    opts.Training.setConvolutionDithering(True)
+    assert opts.Training.toDict() == {
+        "gradient_accumulation": 4, "reduction_type": "Sum", "mean_reduction_strategy": "Post",
+        "auto_loss_scaling": False, "convolution_dithering": True}
+    assert opts.Precision.toDict() == {"stochastic_rounding": True, "master_weights": False,
+                                       "partials_type": "float", "floating_point_exceptions": False}
+    default = Options()._execution_strategy
+    assert isinstance(default, PipelinedExecution) and repr(default) == "PipelinedExecution(AutoStage.SameAsIpu)"
+    sharded = ShardedExecution("B1", "B2")
+    assert Options().setExecutionStrategy(sharded)._execution_strategy is sharded
 
 
 def test_to_dict_without_strategy_is_plain_data_and_pickles():
