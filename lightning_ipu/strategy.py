@@ -147,6 +147,9 @@ class IPUStrategy(ParallelStrategy):
         self._training_opts: ipu_backend.Options | None = None
         self._inference_opts: ipu_backend.Options | None = None
         self._executors: dict[str, seam.PoplarExecutor] = {}
+        self.poptorch_models: dict[RunningStage, seam.PoplarExecutor] = {}
+        """The executor of each stage the current ``Trainer`` call runs (the Lightning IPU
+        plugin's attribute): validation and sanity checking share one."""
         self._reads_batch_idx: dict[str, bool] = {}
         self._gradient_clipping: seam.GradientClipping | None = None
         self._trainer = None
@@ -239,6 +242,20 @@ class IPUStrategy(ParallelStrategy):
             return options.replication_factor
         return len(self.parallel_devices) if self.parallel_devices else 1
 
+    @property
+    def replication_factor(self) -> int:
+        """The running stage's replication factor (the Lightning IPU plugin's attribute); before
+        set-up, the given training options', else the inference options', else ``devices``."""
+        trainer = self._trainer
+        if trainer is None or not self.poptorch_models:
+            options = self._user_training_opts or self._user_inference_opts
+            if options is not None:
+                return options.replication_factor
+            return len(self.parallel_devices) if self.parallel_devices else 1
+        training = trainer.state.stage == RunningStage.TRAINING or (
+            trainer.state.stage is None and trainer.state.fn == TrainerFn.FITTING)
+        return (self._training_opts if training else self._inference_opts).replication_factor
+
     def _resolve_options(self, given: ipu_backend.Options | None, trainer, training: bool) -> ipu_backend.Options:
         replicas = len(self.parallel_devices) if self.parallel_devices else 1
         accumulation = trainer.accumulate_grad_batches if training else 1
@@ -297,14 +314,16 @@ class IPUStrategy(ParallelStrategy):
         super().setup(trainer)
         if fitting:
             self._check_training(trainer)
+        self.poptorch_models = {stage: self._executor(method) for stage, method in _stage_methods(trainer)}
 
     def _check_hooks(self, module, trainer) -> None:
         for owner in (module, trainer.datamodule):
             for hook in _HOST_TRANSFER_HOOKS:
                 if owner is not None and is_overridden(hook, owner):
                     raise MisconfigurationException(
-                        f"{type(owner).__name__}.{hook} is overridden, but on IPUs Lightning does not "
-                        "move batches to a device: each host call hands the combined batch to the "
+                        f"Overriding `{hook}` is not supported with IPUs ({type(owner).__name__}."
+                        f"{hook}): Lightning does not move batches to a device here: each host call "
+                        "hands the combined batch to the "
                         "compiled step, which places the micro-batches on the replicas itself. Do "
                         "that work in on_before_batch_transfer (on the host, before the call) or in "
                         "the step")
@@ -340,6 +359,7 @@ class IPUStrategy(ParallelStrategy):
         for executor in self._executors.values():
             executor.destroy()
         self._executors = {}
+        self.poptorch_models = {}
         if self._accumulate_grad_batches is not None:
             self._trainer.accumulate_grad_batches = self._accumulate_grad_batches
             self._accumulate_grad_batches = None
@@ -355,8 +375,10 @@ class IPUStrategy(ParallelStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """Batches stay on the host: the compiled call splits them over the replicas."""
-        return batch
+        """Batches stay on the host: the compiled call splits them over the replicas. In the
+        ``-true`` precisions their float tensors are cast to the half dtype here too, as the
+        Lightning IPU plugin does (also for a batch a hook made after ``convert_input``)."""
+        return self.precision_plugin.convert_input(batch)
 
     # --- steps -------------------------------------------------------------------------------
     @override
@@ -521,6 +543,21 @@ class IPUStrategy(ParallelStrategy):
         """The optimizer's state as the IPUs have it (momentum, Adam moments, step counts)."""
         self._weights_to_host()
         return super().optimizer_state(optimizer)
+
+
+def _stage_methods(trainer) -> list[tuple[RunningStage, str]]:
+    """The stages a ``Trainer`` call runs, with the step method each one compiles."""
+    fn = trainer.state.fn
+    if fn == TrainerFn.FITTING:
+        stages = [(RunningStage.TRAINING, "training_step")]
+        if trainer.enable_validation:
+            stages.append((RunningStage.VALIDATING, "validation_step"))
+            if trainer.num_sanity_val_steps > 0:
+                stages.append((RunningStage.SANITY_CHECKING, "validation_step"))
+        return stages
+    return {TrainerFn.VALIDATING: [(RunningStage.VALIDATING, "validation_step")],
+            TrainerFn.TESTING: [(RunningStage.TESTING, "test_step")],
+            TrainerFn.PREDICTING: [(RunningStage.PREDICTING, "predict_step")]}.get(fn, [])
 
 
 def _ipus_per_replica(module: torch.nn.Module) -> int:
