@@ -16,16 +16,34 @@ def _step_result_loss(program, nodes):
     return loss if isinstance(loss, torch.fx.Node) and loss in nodes else None
 
 
+def _final_identity_losses(graph) -> list:
+    """The ``identity_loss`` results that feed no other one. As in PopTorch, an ``identity_loss``
+    whose value flows into another is only its reduction; the last one is the loss."""
+    marked = [n for n in graph.nodes if n.target is IDENTITY_LOSS]
+    feeding, seen = set(), set()
+    stack = [arg for n in marked for arg in n.all_input_nodes]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.target is IDENTITY_LOSS:
+            feeding.add(node)
+        stack.extend(node.all_input_nodes)
+    return [n for n in marked if n not in feeding]
+
+
 def find_loss(program, step_method: bool = False) -> int:
-    """Index, among the array results, of the loss: the output of ``identity_loss`` if the model
-    uses it; for a step method, the returned tensor or its ``"loss"`` entry; otherwise the only
-    scalar float output (PopTorch's rule for returned losses)."""
+    """Index, among the array results, of the loss: the output of the final ``identity_loss`` if
+    the model uses it; for a step method, the returned tensor or its ``"loss"`` entry; otherwise
+    the only scalar float output (PopTorch's rule for returned losses)."""
     nodes = program.result_arrays()
-    marked = [n for n in program.graph_module.graph.nodes if n.target is IDENTITY_LOSS]
+    marked = _final_identity_losses(program.graph_module.graph)
     if len(marked) > 1:
-        raise Error(f"the model has {len(marked)} independent losses (identity_loss at "
-                    f"{', '.join(program.source_locations.get(n.name) or '?' for n in marked)}); "
-                    "combine them into one, e.g. identity_loss(loss_a + loss_b, reduction='none')")
+        raise Error("Multiple independent losses found in graph. Graph must have one final loss. "
+                    "Wrap final graph loss in poptorch.identity_loss. (identity_loss at "
+                    f"{', '.join(program.source_locations.get(n.name) or '?' for n in marked)}: "
+                    "combine them into one, e.g. identity_loss(loss_a + loss_b, reduction='none'))")
     if marked:
         if marked[0] not in nodes:
             raise Error("the identity_loss result must be returned by the model's forward "
@@ -42,7 +60,8 @@ def find_loss(program, step_method: bool = False) -> int:
     if len(scalars) == 1:
         return scalars[0]
     if not scalars:
-        raise Error("a training model must return its loss: return a scalar loss from forward "
-                    "(for example `return output, loss`) or mark it with poptorch.identity_loss")
+        raise Error("Couldn't find a loss in graph! A training model must return its loss: return "
+                    "a scalar loss from forward (for example `return output, loss`) or mark it "
+                    "with poptorch.identity_loss")
     raise Error(f"the model returns {len(scalars)} scalar outputs, so which one is the loss is "
                 "ambiguous: mark the loss with poptorch.identity_loss(loss, reduction='none')")

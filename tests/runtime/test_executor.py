@@ -310,7 +310,7 @@ def test_inference_model_rejects_gradient_accumulation():
 
 
 def test_training_model_without_a_loss_is_an_error():
-    with pytest.raises(poptorch.Error, match="must return its loss"):
+    with pytest.raises(poptorch.Error, match=r"^Couldn't find a loss in graph! .*must return its loss"):
         poptorch.trainingModel(Regression())(torch.randn(2, 6))
 
 
@@ -333,10 +333,46 @@ class TwoMarkedLosses(Regression):
                 poptorch.identity_loss((out - y).abs(), "mean"))
 
 
-def test_several_identity_losses_are_an_error():
+def test_several_independent_identity_losses_are_poptorchs_error():
     x, y = data(2)
-    with pytest.raises(poptorch.Error, match="2 independent losses"):
+    with pytest.raises(poptorch.Error, match=r"^Multiple independent losses found in graph\. Graph must "
+                                             r"have one final loss\. Wrap final graph loss in "
+                                             r"poptorch\.identity_loss\. \(identity_loss at .*test_executor"):
         poptorch.trainingModel(TwoMarkedLosses())(x, y)
+
+
+class ChainedIdentityLosses(Regression):
+    """PopTorch's custom-loss pattern: an identity_loss feeding the final one is its reduction."""
+
+    def __init__(self, reduction):
+        super().__init__()
+        self.reduction = reduction
+
+    def forward(self, x, y):
+        partial = poptorch.identity_loss(super().forward(x) - y, reduction=self.reduction)
+        return partial, poptorch.identity_loss(partial * partial * 5.0, reduction="mean")
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_an_identity_loss_feeding_the_final_one_trains_as_torch(reduction):
+    torch.manual_seed(0)
+    reference = ChainedIdentityLosses(reduction)
+    model = copy.deepcopy(reference)
+    batches = [data(4, seed) for seed in range(3)]
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.002)   # small: "sum" makes large losses
+    expected = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        partial, loss = reference(x, y)
+        loss.backward()
+        optimizer.step()
+        expected.append((partial.detach(), loss.detach()))
+    executor = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.002))
+    for (x, y), (expected_partial, expected_loss) in zip(batches, expected):
+        partial, loss = executor(x, y)
+        torch.testing.assert_close(partial, expected_partial, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    assert_params_equal(model, reference)
 
 
 def test_options_freeze_once_used():
