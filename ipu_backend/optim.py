@@ -24,9 +24,12 @@ import functools
 import inspect
 import math
 import warnings
+import weakref
+from collections.abc import Mapping
 
 import torch
 
+from ipu_backend.errors import Error
 from ipu_backend.runtime.optimizers import register_optimizer
 
 FP16_MAX = 65500.0
@@ -147,15 +150,96 @@ def _records_given_arguments(init):
 
     return recording_init
 
+_IPU_ENTRIES = ("ipu_state", "ipu_param")
+_SEPARATOR = "___"
+_param_names: "weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[int, str]]" = weakref.WeakKeyDictionary()
+
+
+def _hyper_parameter(value) -> bool:
+    numbers = value if isinstance(value, tuple) else (value,)
+    return bool(numbers) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers)
+
 
 class _IPUOptions:
-    """Stores PopTorch's extra options in ``defaults`` and every param group."""
+    """Stores PopTorch's extra options in ``defaults`` and every param group; adds PopTorch's
+    ``ipu_state`` and ``ipu_param`` entries to ``state_dict()``.
+
+    ``ipu_state`` maps ``"<slot>___<parameter name>"`` (torch's slot names: ``exp_avg``,
+    ``momentum_buffer``, ``step``...) to the very tensors of torch's ``state`` entry, and
+    ``ipu_param`` maps ``"<hyper-parameter>___<parameter name>"`` (``lr``, ``weight_decay``,
+    ``betas``...) to tensors of the param groups' values. Both are None until a training model
+    has been compiled with the optimizer, as in PopTorch. ``load_state_dict`` applies them after
+    torch's entries (so they win); a torch-only state dict (a CPU checkpoint) loads as well.
+    """
 
     _optimizer_wide: tuple[str, ...] = ()
+
+    def _record_param_names(self, param_names: Mapping[int, str]) -> None:
+        """Called by the runtime when it builds a training program for this optimizer: the
+        parameters' names in the model (``id(parameter) -> name``), which name the entries of
+        ``ipu_state``/``ipu_param``."""
+        _param_names[self] = dict(param_names)
 
     def __getstate__(self) -> dict:
         """torch's state, and ``variable_attrs`` (copies and pickles keep the marks)."""
         return {**super().__getstate__(), "variable_attrs": self.variable_attrs}
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        names = _param_names.get(self)
+        if names is None:
+            return {**state, "ipu_state": None, "ipu_param": None}
+        ipu_state, ipu_param = {}, {}
+        for group, saved in zip(self.param_groups, state["param_groups"]):
+            for param, index in zip(group["params"], saved["params"]):
+                name = names.get(id(param), str(index))
+                for slot, value in state["state"].get(index, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        ipu_state[f"{slot}{_SEPARATOR}{name}"] = value
+                for key, value in group.items():
+                    if key != "params" and _hyper_parameter(value):
+                        ipu_param[f"{key}{_SEPARATOR}{name}"] = torch.tensor(value, dtype=torch.float32)
+        return {**state, "ipu_state": ipu_state, "ipu_param": ipu_param}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict({k: v for k, v in state_dict.items() if k not in _IPU_ENTRIES})
+        ipu_state, ipu_param = state_dict.get("ipu_state"), state_dict.get("ipu_param")
+        if not ipu_state and not ipu_param:
+            return
+        names = _param_names.get(self) or {}
+        params = [(param, group, index) for index, group in enumerate(self.param_groups)
+                  for param in group["params"]]
+        by_name = {names.get(id(entry[0]), str(position)): entry for position, entry in enumerate(params)}
+
+        def target(key: str, entry: str):
+            slot, _, name = key.rpartition(_SEPARATOR)
+            if not slot or name not in by_name:
+                raise Error(f"{entry} entry {key!r} names no parameter of this optimizer: keys are "
+                            f"'<name>{_SEPARATOR}<parameter>' with parameters {sorted(by_name)}")
+            return slot, by_name[name]
+
+        values = {}
+        for key, value in (ipu_param or {}).items():
+            hyper, (_, group, index) = target(key, "ipu_param")
+            current = group.get(hyper)
+            if not _hyper_parameter(current):
+                raise Error(f"ipu_param entry {key!r}: param group {index} has no hyper-parameter {hyper!r}")
+            new = (tuple(float(v) for v in value.tolist()) if isinstance(current, tuple)
+                   else type(current)(value.item()))
+            if hyper in _CHECKS:
+                new = _CHECKS[hyper](hyper, new)
+            if values.setdefault((index, hyper), new) != new:
+                raise Error(f"ipu_param gives param group {index} several values of {hyper!r}: the "
+                            "parameters of a group share its hyper-parameters")
+        for (index, hyper), new in values.items():
+            self.param_groups[index][hyper] = new
+        for hyper in self._optimizer_wide:
+            if len({group[hyper] for group in self.param_groups}) > 1:
+                raise Error(f"ipu_param gives the param groups different values of {hyper!r}, which "
+                            "is optimizer-wide in PopTorch")
+        for key, value in (ipu_state or {}).items():
+            slot, (param, _, _) = target(key, "ipu_state")
+            self.state[param][slot] = value.detach().clone()
 
     def _add_options(self, options: dict) -> None:
         """Validate ``options`` (values a param group already holds win, as for torch's own

@@ -591,5 +591,11 @@ def _rule_class(optimizer: torch.optim.Optimizer) -> type[OptimizerRule]:
 def optimizer_rule(optimizer: torch.optim.Optimizer, param_names: Mapping[int, str], stacks=()) -> OptimizerRule:
     """The update rule of ``optimizer`` (torch's SGD, Adam, AdamW, RMSprop or ours, LAMB too),
     ``param_names`` mapping ``id(parameter) -> name``; the members of each of ``stacks`` are
-    updated as one stacked array under its key (each within one param group)."""
-    return _rule_class(optimizer)(optimizer, param_names, stacks)
+    updated as one stacked array under its key (each within one param group). An optimizer that
+    keeps the names (PopTorch's ``ipu_state``/``ipu_param`` entries name parameters) is told them
+    through ``_record_param_names``."""
+    rule = _rule_class(optimizer)(optimizer, param_names, stacks)
+    record = getattr(optimizer, "_record_param_names", None)
+    if record is not None:
+        record(param_names)
+    return rule
