@@ -8,7 +8,8 @@ defaults: ``loss_scaling``, the accumulation dtypes, ``max_grad_norm`` and, per 
 Every option is stored in ``defaults`` and in each param group, so ``state_dict()`` and
 ``load_state_dict()`` carry it. PopTorch makes all of them optimizer-wide except
 ``velocity_scaling`` and ``max_weight_norm``; those optimizer-wide ones are also attributes
-(``optimizer.loss_scaling = 128.0`` sets every group) and must agree across groups.
+(``optimizer.loss_scaling = 128.0`` sets every group) and must agree across groups. As in
+PopTorch, ``None`` for any argument means its default (``accum_type=None`` is float32).
 
 The compiled training step runs its own update rule (``ipu_backend.runtime.optimizers``)
 that applies all of them. ``step()`` of SGD, Adam, AdamW and RMSprop is torch's eager step, which
@@ -146,9 +147,27 @@ def _records_given_arguments(init):
         init(self, *args, **kwargs)
         given = signature.bind(self, *args, **kwargs).arguments
         allowed = list(self.defaults)
-        self.variable_attrs = VariableAttributes([name for name in given if name in allowed], allowed)
+        self.variable_attrs = VariableAttributes(      # None is the default, so not given (PopTorch)
+            [name for name, value in given.items() if name in allowed and value is not None], allowed)
 
     return recording_init
+
+
+def _none_means_default(init):
+    """PopTorch's optimizers take ``None`` for any argument after ``params`` to mean its default
+    (``accum_type=None`` is float32, ``momentum=None`` torch's 0, ...): so do these."""
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def with_defaults(self, params, *args, **kwargs):
+        bound = signature.bind(self, params, *args, **kwargs)
+        for name, value in bound.arguments.items():
+            if value is None and name not in ("self", "params"):
+                bound.arguments[name] = signature.parameters[name].default
+        return init(*bound.args, **bound.kwargs)
+
+    return with_defaults
+
 
 _IPU_ENTRIES = ("ipu_state", "ipu_param")
 _SEPARATOR = "___"
@@ -266,6 +285,7 @@ class SGD(_IPUOptions, torch.optim.SGD):
     _optimizer_wide = ("loss_scaling", "use_combined_accum", "accum_type", "velocity_accum_type",
                        "max_grad_norm")
 
+    @_none_means_default
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
                  maximize=False, foreach=None, differentiable=False, fused=None, loss_scaling=1.0,
                  velocity_scaling=None, use_combined_accum=False, accum_type=torch.float32,
@@ -288,6 +308,7 @@ class Adam(_IPUOptions, torch.optim.Adam):
     _optimizer_wide = ("loss_scaling", "accum_type", "first_order_momentum_accum_type",
                        "second_order_momentum_accum_type", "max_grad_norm")
 
+    @_none_means_default
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  decoupled_weight_decay=False, loss_scaling=1.0, accum_type=torch.float32,
@@ -311,6 +332,7 @@ class AdamW(_IPUOptions, torch.optim.AdamW):
                        "first_order_momentum_accum_type", "second_order_momentum_accum_type",
                        "max_grad_norm")
 
+    @_none_means_default
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
                  *, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
                  loss_scaling=1.0, bias_correction=True, accum_type=torch.float32,
@@ -335,6 +357,7 @@ class RMSprop(_IPUOptions, torch.optim.RMSprop):
     _optimizer_wide = ("loss_scaling", "accum_type", "first_order_momentum_accum_type",
                        "second_order_momentum_accum_type", "use_tf_variant")
 
+    @_none_means_default
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0, momentum=0,
                  centered=False, capturable=False, foreach=None, maximize=False,
                  differentiable=False, *,
@@ -366,6 +389,7 @@ class LAMB(_IPUOptions, torch.optim.Optimizer):
     _optimizer_wide = ("loss_scaling", "bias_correction", "accum_type",
                        "first_order_momentum_accum_type", "second_order_momentum_accum_type")
 
+    @_none_means_default
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  bias_correction=True, loss_scaling=1.0, max_weight_norm=FP16_MAX,
                  accum_type=torch.float32, first_order_momentum_accum_type=torch.float32,

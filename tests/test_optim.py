@@ -6,6 +6,7 @@ cases combine options where they do not interact.
 """
 
 import copy
+import inspect
 import math
 
 import jax
@@ -463,6 +464,16 @@ def test_poptorch_defaults_and_options_survive_state_dict():
     restored.load_state_dict(copy.deepcopy(saved.state_dict()))
     assert restored.loss_scaling == 32.0 and restored.use_tf_variant
     assert restored.param_groups[0]["second_order_momentum_accum_type"] == torch.float16
+
+
+@pytest.mark.parametrize("cls", [optim.SGD, optim.Adam, optim.AdamW, optim.RMSprop, optim.LAMB])
+def test_none_means_the_default_for_every_argument_as_in_poptorch(cls):
+    params = list(Net().parameters())
+    names = [name for name in inspect.signature(cls.__init__).parameters if name not in ("self", "params")]
+    with_none = cls(params, lr=0.1, **{name: None for name in names if name != "lr"})
+    omitted = cls(params, lr=0.1)
+    assert with_none.defaults == omitted.defaults and "accum_type" in omitted.defaults
+    assert with_none.state_dict()["param_groups"] == omitted.state_dict()["param_groups"]
 
 
 def test_velocity_scaling_ignored_by_separate_variant_warns():
