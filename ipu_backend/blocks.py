@@ -65,8 +65,11 @@ def _check_ipu_id(ipu_id) -> None:
 
 
 def _check_user_id(user_id) -> None:
-    if user_id is not None and not isinstance(user_id, str):
-        raise Error(f"a block's user_id must be a str or None, got {user_id!r}")
+    """PopTorch documents a str and accepts any id; its own tests use ints (``BeginBlock(m, 1, 2)``).
+    An int id is a block of its own (``1`` is not ``"1"``) and stages it by IPU, as ``Stage`` names
+    take strings."""
+    if user_id is not None and (isinstance(user_id, bool) or not isinstance(user_id, (str, int))):
+        raise Error(f"a block's user_id must be a str, an int or None, got {user_id!r}")
 
 
 def _start_block(user_id: str | None, ipu_id: int | None) -> None:

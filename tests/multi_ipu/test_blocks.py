@@ -99,6 +99,22 @@ def test_auto_increment_gives_each_block_its_own_stage_even_on_one_ipu():
     assert layer_ipus(Model(), strategy) == {"l0": (0, 0), "l1": (1, 1), "l2": (2, 0), "l3": (0, 0)}
 
 
+def test_int_user_ids_are_blocks_of_their_own():
+    class Model(Chain):
+        def forward(self, x):
+            with poptorch.Block(1, ipu_id=1):
+                x = self.l1(self.l0(x))
+            with poptorch.Block("1", ipu_id=0):
+                return self.l3(self.l2(x))
+
+    strategy = poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement)
+    assert layer_ipus(Model(), strategy) == {"l0": (0, 1), "l1": (0, 1), "l2": (1, 0), "l3": (1, 0)}
+    block = poptorch.BeginBlock(torch.relu, 3, 2)
+    assert (block._user_id, block._ipu_id) == (3, 2)
+    with pytest.raises(poptorch.Error, match="user_id must be a str, an int or None, got 1.5"):
+        poptorch.Block(1.5)
+
+
 def test_begin_block_accepts_a_function_and_refuses_a_second_block():
     layer = nn.Linear(2, 2)
     poptorch.BeginBlock(layer, ipu_id=1)
