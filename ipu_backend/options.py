@@ -20,6 +20,9 @@ Every PopTorch setting is one of three kinds:
   input replica grouping, several host processes) raise :class:`ipu_backend.Error` naming the
   option, rather than being silently ignored.
 
+As in PopTorch, the environment variable ``POPTORCH_DEFAULT_OPTIONS`` holds a JSON object of
+setters (see :meth:`Options.from_json`) applied to every new ``Options``.
+
 Options are frozen once a model or a :class:`ipu_backend.DataLoader` uses them: any setter then
 raises :class:`FrozenOptionsError` with PopTorch's message. :meth:`Options.clone` (like
 ``copy.deepcopy``) gives an unfrozen copy.
@@ -63,6 +66,10 @@ class FrozenOptionsError(Error, AttributeError):
 
 class InvalidArgument(Error, ValueError):
     """An option or argument whose value is out of range (also a ``ValueError``, as in PopTorch)."""
+
+
+class FailedCheck(Error, AssertionError):
+    """A value PopTorch checks with ``assert`` (also an ``AssertionError``, as in PopTorch)."""
 
 
 class WrongArgumentType(Error, TypeError):
@@ -431,7 +438,7 @@ class _TensorLocationOptions(_OptionGroup):
         """Inert: tiles reserved for IO."""
         _int_at_least(num_tiles, "num_tiles", 0)
         if not (32 <= num_tiles <= 192 and num_tiles % 2 == 0):
-            raise InvalidArgument("numIOTiles must be an even number between 32 and 192.")
+            raise FailedCheck("numIOTiles must be an even number between 32 and 192.")
         self._record("num_io_tiles", num_tiles)
         return self
 
@@ -651,6 +658,12 @@ class Options(_OptionGroup):
         self.setIpuSpec(ipu_spec)
         self.setMemoryCheck(memory_check)
         self.loopRepeatedLayers(loop_repeated_layers)
+        self._apply_environment()
+
+    def _apply_environment(self) -> None:
+        """PopTorch's ``POPTORCH_DEFAULT_OPTIONS``: a :meth:`from_json` string applied to every
+        new ``Options`` after its arguments."""
+        self.from_json(os.environ.get("POPTORCH_DEFAULT_OPTIONS", "{}"))
 
     # Option groups, as PopTorch's properties.
 
@@ -1032,12 +1045,17 @@ class Options(_OptionGroup):
         """An unfrozen deep copy."""
         return copy.deepcopy(self)
 
-    def for_model(self, optimizer: torch.optim.Optimizer | None = None) -> "Options":
+    def for_model(self, optimizer: torch.optim.Optimizer | None = None,
+                  training: bool | None = None) -> "Options":
         """The options a model keeps (beyond PopTorch): these are frozen, as a model now uses
         them, and the model gets a frozen copy of its own, with ``MeanReductionStrategy.Running``
-        where PopTorch chooses it for the model's ``optimizer`` (float16 gradient accumulators)."""
+        where PopTorch chooses it for the model's ``optimizer`` (float16 gradient accumulators)
+        and, given ``training``, the output mode ``Default`` resolves to (``Final`` for training,
+        ``All`` for inference), which PopTorch's executors read back."""
         self._freeze()
         kept = self.clone()
+        if training is not None and kept.defaultOutputMode():
+            kept.outputMode(OutputMode.Final if training else OutputMode.All)
         if optimizer is not None and needs_running_mean(optimizer):
             kept.Training.setMeanAccumulationAndReplicationReductionStrategy(MeanReductionStrategy.Running)
         kept._freeze()
@@ -1153,7 +1171,17 @@ _ALL_INERT = {name: default
               for group in (Options, _TrainingOptions, _PrecisionOptions, _TensorLocationOptions,
                             _PopartOptions)
               for name, default in group._INERT.items()}
-_DEFAULTS = Options().toDict()
+class _DefaultOptions(Options):
+    """Options as the constructor makes them, whatever ``POPTORCH_DEFAULT_OPTIONS`` says."""
+
+    __slots__ = ()
+
+    def _apply_environment(self) -> None:
+        pass
+
+
+_DEFAULTS = _DefaultOptions().toDict()
+"""What ``repr`` leaves out."""
 _CONFIG_NAMESPACE = SimpleNamespace(
     enums=enums, **{name: member for name, member in vars(enums).items()
                     if isinstance(member, type) and member.__module__ == enums.__name__},

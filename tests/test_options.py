@@ -20,6 +20,7 @@ from ipu_backend.enums import (
 )
 from ipu_backend.options import (
     ConfigFileError,
+    FailedCheck,
     FrozenOptionsError,
     InvalidArgument,
     Options,
@@ -176,6 +177,22 @@ def test_errors_are_ipu_backend_errors_of_poptorchs_builtin_type():
     assert issubclass(WrongArgumentType, Error) and issubclass(WrongArgumentType, TypeError)
     assert issubclass(FrozenOptionsError, Error)
     assert issubclass(FrozenOptionsError, AttributeError)
+    assert issubclass(FailedCheck, Error) and issubclass(FailedCheck, AssertionError)
+
+
+def test_poptorch_default_options_from_the_environment(monkeypatch):
+    monkeypatch.setenv("POPTORCH_DEFAULT_OPTIONS", '{"deviceIterations": 3, "Training.gradientAccumulation": 2, '
+                                                   '"connectionType": "ConnectionType.OnDemand"}')
+    opts = Options(replication_factor=2)
+    assert (opts.device_iterations, opts.Training.gradient_accumulation, opts.replication_factor) == (3, 2, 2)
+    assert opts.connection_type == "OnDemand"
+    expected = Options(device_iterations=3, gradient_accumulation=2, replication_factor=2)
+    monkeypatch.delenv("POPTORCH_DEFAULT_OPTIONS")
+    assert opts == expected.connectionType(ConnectionType.OnDemand) and repr(opts) == repr(expected)
+    assert repr(Options()) == "Options()"
+    monkeypatch.setenv("POPTORCH_DEFAULT_OPTIONS", '{"deviceIteration": 3}')
+    with pytest.raises(InvalidArgument, match="Unknown option 'deviceIteration'"):
+        Options()
 
 
 def test_random_seed_seeds_torch_as_poptorch():
@@ -247,7 +264,7 @@ def test_inert_settings_back_at_their_default_are_not_recorded():
 
 
 def test_poptorch_checks_of_inert_settings():
-    with pytest.raises(InvalidArgument, match="numIOTiles must be an even number"):
+    with pytest.raises(FailedCheck, match="numIOTiles must be an even number"):
         Options().TensorLocations.numIOTiles(33)
     with pytest.raises(InvalidArgument, match="Invalid key: GPU0"):
         Options().setAvailableMemoryProportion({"GPU0": 0.5})

@@ -143,7 +143,7 @@ class Executor:
 
     def __init__(self, model: torch.nn.Module, options, training: bool, step_method: str | None, recorder,
                  optimizer=None):
-        self._options = options.for_model(optimizer)
+        self._options = options.for_model(optimizer, training)
         self._settings: RunSettings = self._options.runtime_settings()
         self._user_model = model
         self._training = training

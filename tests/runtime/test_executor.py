@@ -375,6 +375,16 @@ def test_an_identity_loss_feeding_the_final_one_trains_as_torch(reduction):
     assert_params_equal(model, reference)
 
 
+def test_executors_read_back_the_output_mode_their_default_resolves_to():
+    opts = poptorch.Options()
+    training, inference = poptorch.trainingModel(Regression(), opts), poptorch.inferenceModel(Regression(), opts)
+    assert training.options.output_mode is poptorch.OutputMode.Final
+    assert inference.options.output_mode is poptorch.OutputMode.All
+    assert opts.defaultOutputMode(), "the user's options are left as they were"
+    every_2 = poptorch.Options().outputMode(poptorch.OutputMode.EveryN, 2)
+    assert poptorch.trainingModel(Regression(), every_2).options.output_return_period == 2
+
+
 def test_options_freeze_once_used():
     opts = poptorch.Options()
     poptorch.inferenceModel(Regression(), opts)
