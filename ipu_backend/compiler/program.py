@@ -161,13 +161,40 @@ def _check_lowerable(graph_module: torch.fx.GraphModule) -> None:
     interpreter.reject_boolean_mask_indexing(graph_module)
 
 
-def _ordered_specs(module, names: set[str]) -> tuple[TensorSpec, ...]:
+def _ordered_specs(module, names: set[str], kind: str) -> tuple[TensorSpec, ...]:
     """Specs in state_dict() order, then any non-persistent buffers."""
     tensors = dict(module.named_parameters())
     tensors.update(module.named_buffers())
+    removed = sorted(names - set(tensors))
+    if removed:
+        raise Error(f"{kind} {removed[0]} is removed from the model when calling the forward method. "
+                    f"(Capturing the model ran forward, which deleted it.) Keep the {kind.lower()} "
+                    "and leave it unused, or remove it before wrapping the model.")
     order = [n for n in module.state_dict(keep_vars=True) if n in names]
     order += sorted(names - set(order))
     return tuple(TensorSpec(n, tuple(tensors[n].shape), tensors[n].dtype) for n in order)
+
+
+def _check_reassigned_buffers(exported, prefix: str) -> None:
+    """A buffer the forward replaces (``self.y = x``) is updated as torch does, if the new value
+    keeps its dtype and shape; otherwise PopTorch's error."""
+    signature = exported.graph_signature
+    nodes = {node.name: node for node in exported.graph_module.graph.nodes}
+    before = {spec.target: nodes[spec.arg.name].meta.get("val") for spec in signature.input_specs
+              if spec.kind == InputKind.BUFFER}
+    results = next(n for n in reversed(exported.graph_module.graph.nodes) if n.op == "output").args[0]
+    for spec, result in zip(signature.output_specs, results):
+        if spec.kind != OutputKind.BUFFER_MUTATION or not isinstance(result, torch.fx.Node):
+            continue
+        old, new = before.get(spec.target), result.meta.get("val")
+        if old is None or new is None or (old.dtype, old.shape) == (new.dtype, new.shape):
+            continue
+        name = spec.target[len(prefix):]
+        raise Error(f"Buffer {name} is reassigned within the model when calling the forward method. "
+                    f"This is not supported. Consider using self.{name}.copy_(src) to copy data from "
+                    "a source tensor, where src is the name of the source tensor. (Here the new "
+                    f"value is {new.dtype} {list(new.shape)} and the buffer {old.dtype} "
+                    f"{list(old.shape)}; a new value of the buffer's dtype and shape is accepted.)")
 
 
 def _build(module, exported, prefix: str, logs: tuple | None) -> Program:
@@ -198,6 +225,7 @@ def _build(module, exported, prefix: str, logs: tuple | None) -> Program:
         elif spec.kind != OutputKind.USER_OUTPUT:
             raise Error(f"the program updates {spec.target} in place ({spec.kind.name}); only buffers "
                         "and inputs may be updated in place: return the new value instead")
+    _check_reassigned_buffers(exported, prefix)
     param_names = {name for kind, name in inputs if kind == InputKind.PARAMETER}
     buffer_names = {name for kind, name in inputs if kind == InputKind.BUFFER}
     graph_module = exported.graph_module
@@ -245,8 +273,8 @@ def _build(module, exported, prefix: str, logs: tuple | None) -> Program:
                  for node in graph_module.graph.nodes if node.op == "call_function"}
     return Program(
         logged_fn=logged_fn,
-        params=_ordered_specs(module, param_names),
-        buffers=_ordered_specs(module, buffer_names),
+        params=_ordered_specs(module, param_names, "Parameter"),
+        buffers=_ordered_specs(module, buffer_names, "Buffer"),
         mutated_buffers=tuple(mutated),
         output_spec=out_spec,
         logs=logs or (),

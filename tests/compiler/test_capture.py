@@ -56,6 +56,45 @@ def test_output_structure_and_state_order_follow_torch():
     assert logged == {}
 
 
+class ReplacesItsBuffer(torch.nn.Module):
+    def __init__(self, initial):
+        super().__init__()
+        self.register_buffer("y", initial)
+
+    def forward(self, x):
+        x = x + 1
+        self.y = x * 3
+        return x
+
+
+def test_a_buffer_replaced_in_forward_is_updated_as_torch_or_poptorchs_error():
+    x = torch.tensor([5.0])
+    module, reference = ReplacesItsBuffer(torch.tensor([2.0])), ReplacesItsBuffer(torch.tensor([2.0]))
+    outputs, new_buffers, _ = run(compile_module(module, (x,)), ReplacesItsBuffer(torch.tensor([2.0])), x)
+    assert_close(outputs, reference(x), 0, 0)
+    assert_close(new_buffers["y"], reference.y, 0, 0)
+    with pytest.raises(Error, match=r"^Buffer y is reassigned within the model when calling the forward "
+                                    r"method\. This is not supported\. Consider using self\.y\.copy_\(src\).*"
+                                    r"new value is torch\.float32 \[1\] and the buffer torch\.int64 \[1\]"):
+        compile_module(ReplacesItsBuffer(torch.tensor([2])), (x,))
+
+
+class RemovesItsBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("y", torch.tensor([2]))
+
+    def forward(self, x):
+        if "y" in self._buffers:
+            del self._buffers["y"]
+        return x + 1
+
+
+def test_a_buffer_removed_in_forward_is_poptorchs_error():
+    with pytest.raises(Error, match=r"^Buffer y is removed from the model when calling the forward method\."):
+        compile_module(RemovesItsBuffer(), (torch.tensor([5.0]),))
+
+
 class Regressor(pl.LightningModule):
     def __init__(self):
         super().__init__()
