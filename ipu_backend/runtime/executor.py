@@ -104,8 +104,12 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             raise Error("Options.broadcastBuffers(False) (per-replica buffers) is not emulated: "
                         "replicas start each step from replica 0's buffers; leave it True")
         if not self._training and self._settings.gradient_accumulation != 1:
+            staging = self._settings.staging
+            pipelined = staging is None or (staging.pipelined and staging.phased is None)
             raise Error("You must set poptorch.Options().Training.gradientAccumulation to 1 or leave "
-                        "it as its default value (1) when running a poptorch.inferenceModel().")
+                        "it as its default value (1) when running a poptorch.inferenceModel()."
+                        + (" Use poptorch.Options().deviceIterations to process a sufficient number "
+                           "of batches each run for pipelined execution instead." if pipelined else ""))
 
     # --- PopTorch's public surface -------------------------------------------------------
     @property

@@ -56,13 +56,13 @@ def _check_stage_counts(part: Partition, schedule: Schedule, training: bool, pip
     if training and schedule.accumulation < 2 * forward - 1:
         raise Error(f"poptorch.Options().Training.gradientAccumulation must be greater than or equal to "
                     f"the number of pipeline stages ({2 * forward - 1}) when using "
-                    f"poptorch.PipelinedExecution (it is {schedule.accumulation}). Please note that a "
-                    f"model with {forward} pipeline stages in PopTorch will have an additional "
-                    f"{forward - 1} stages when training.")
+                    f"poptorch.PipelinedExecution. Please note that a model with {forward} pipeline "
+                    f"stages in PopTorch will have an additional {forward - 1} stages when training. "
+                    f"(It is {schedule.accumulation}.)")
     if not training and schedule.device_iterations < forward:
         raise Error(f"poptorch.Options().deviceIterations must be greater than or equal to the number "
-                    f"of pipeline stages ({forward}) when using PopTorch.PipelinedExecution (it is "
-                    f"{schedule.device_iterations}).")
+                    f"of pipeline stages ({forward}) when using PopTorch.PipelinedExecution. (It is "
+                    f"{schedule.device_iterations}.)")
 
 
 def check_metric_states(program, schedule: Schedule) -> None:

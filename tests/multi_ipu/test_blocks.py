@@ -204,8 +204,10 @@ def training_options(accumulation, strategy=None):
 def test_pipelined_training_needs_accumulation_of_twice_the_stages_minus_one():
     model = TwoStages()
     ipu = poptorch.trainingModel(model, training_options(2))
-    with pytest.raises(poptorch.Error, match=re.escape(
-            "gradientAccumulation must be greater than or equal to the number of pipeline stages (3)")):
+    with pytest.raises(poptorch.Error, match="^" + re.escape(
+            "poptorch.Options().Training.gradientAccumulation must be greater than or equal to the number "
+            "of pipeline stages (3) when using poptorch.PipelinedExecution. Please note that a model with "
+            "2 pipeline stages in PopTorch will have an additional 1 stages when training. (It is 2.)")):
         ipu.compile(*regression_data(4))
     sharded = poptorch.trainingModel(model, training_options(2, poptorch.ShardedExecution("B1", "B2")))
     sharded.compile(*regression_data(4))           # sharded execution has no such rule
@@ -213,8 +215,9 @@ def test_pipelined_training_needs_accumulation_of_twice_the_stages_minus_one():
 
 def test_pipelined_inference_needs_a_device_iteration_per_stage():
     ipu = poptorch.inferenceModel(TwoStages(), poptorch.Options())
-    with pytest.raises(poptorch.Error, match=re.escape(
-            "deviceIterations must be greater than or equal to the number of pipeline stages (2)")):
+    with pytest.raises(poptorch.Error, match="^" + re.escape(
+            "poptorch.Options().deviceIterations must be greater than or equal to the number of pipeline "
+            "stages (2) when using PopTorch.PipelinedExecution. (It is 1.)")):
         ipu.compile(regression_data(2)[0])
 
 

@@ -302,11 +302,19 @@ def test_zero_sized_input_is_an_error():
         poptorch.inferenceModel(Regression())(torch.randn(0, 6))
 
 
-def test_inference_model_rejects_gradient_accumulation():
+def test_inference_model_rejects_gradient_accumulation_with_poptorchs_message():
     opts = poptorch.Options()
     opts.Training.gradientAccumulation(2)
-    with pytest.raises(poptorch.Error, match=r"gradientAccumulation to 1"):
+    message = ("You must set poptorch.Options().Training.gradientAccumulation to 1 or leave it as its "
+               "default value (1) when running a poptorch.inferenceModel().")
+    pipelined = " Use poptorch.Options().deviceIterations to process a sufficient number of batches each " \
+                "run for pipelined execution instead."
+    with pytest.raises(poptorch.Error, match="^" + re.escape(message + pipelined) + "$"):
         poptorch.inferenceModel(Regression(), opts)
+    sharded = poptorch.Options().setExecutionStrategy(poptorch.ShardedExecution())
+    sharded.Training.gradientAccumulation(2)
+    with pytest.raises(poptorch.Error, match="^" + re.escape(message) + "$"):
+        poptorch.inferenceModel(Regression(), sharded)
 
 
 def test_training_model_without_a_loss_is_an_error():
