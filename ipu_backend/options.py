@@ -433,6 +433,15 @@ class _TensorLocationOptions(_OptionGroup):
     accumulators_on_chip = _emulated(
         "accumulators_on_chip", "Whether gradient accumulators stay on chip.")
 
+    def _location(self, kind: str) -> dict[str, int]:
+        """PopTorch's read-back of a tensor class's location: its TensorLocationSettings as a dict."""
+        return {"onChip": int(self._values[_LOCATION_KINDS[kind]]), **getattr(self, f"{kind}_location")}
+
+    location_activation = property(lambda self: self._location("activation"))
+    location_weight = property(lambda self: self._location("weight"))
+    location_optimizer = property(lambda self: self._location("optimizer"))
+    location_accumulator = property(lambda self: self._location("accumulator"))
+
     @_unless_frozen
     def numIOTiles(self, num_tiles: int) -> Self:
         """Inert: tiles reserved for IO."""

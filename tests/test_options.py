@@ -365,6 +365,9 @@ def test_option_groups_read_back_as_dicts_and_the_strategy_in_effect():
         "auto_loss_scaling": False, "convolution_dithering": True}
     assert opts.Precision.toDict() == {"stochastic_rounding": True, "master_weights": False,
                                        "partials_type": "float", "floating_point_exceptions": False}
+    opts.TensorLocations.setWeightLocation(TensorLocationSettings().useOnChipStorage(False).minElementsForOffChip(8))
+    assert opts.TensorLocations.location_weight == {"onChip": 0, "minElementsForOffChip": 8}
+    assert opts.TensorLocations.location_optimizer == {"onChip": 1}
     default = Options()._execution_strategy
     assert isinstance(default, PipelinedExecution) and repr(default) == "PipelinedExecution(AutoStage.SameAsIpu)"
     sharded = ShardedExecution("B1", "B2")
