@@ -10,6 +10,18 @@ from jax.sharding import Mesh
 from ipu_backend.errors import Error
 
 DEFAULT_CPU_DEVICES = 8
+MAX_IPUS_PER_PROCESS = 64
+"""The most IPUs one host process drives (an IPU-POD64), as PopTorch checks."""
+
+
+def check_ipus_per_process(num_ipus: int) -> None:
+    """PopTorch's limit on the IPUs one process asks for (replicas × IPUs per replica)."""
+    if num_ipus > MAX_IPUS_PER_PROCESS:
+        raise Error(f"Too many IPUs requested ({num_ipus}). Experiments that need more than "
+                    f"{MAX_IPUS_PER_PROCESS} IPUs require distributed execution. (A process drives at most "
+                    f"{MAX_IPUS_PER_PROCESS}: replicas × IPUs per replica.)")
+
+
 REPLICA = "replica"
 """The name of the replica axis of every mesh."""
 
@@ -44,6 +56,7 @@ def _one_each(what: str, count: int) -> str:
 
 def replica_mesh(replicas: int) -> Mesh:
     """A 1-D mesh over as many devices as divide ``replicas``; the rest fold onto them."""
+    check_ipus_per_process(replicas)
     available = jax.devices()
     count = max(d for d in range(1, min(replicas, len(available)) + 1) if replicas % d == 0)
     if count < replicas:
@@ -72,6 +85,7 @@ def ipu_devices(num_ipus: int, replicas: int) -> list[list]:
     devices left to it — IPU ``i`` on its ``i mod p``-th of ``p`` — as replicas fold onto
     devices: one program runs at a time on a device, with identical numerics. Each replica
     needs a device of its own."""
+    check_ipus_per_process(num_ipus * replicas)
     available = jax.devices()
     per_replica = min(num_ipus, len(available) // replicas)
     if per_replica == 0:

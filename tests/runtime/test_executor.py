@@ -297,6 +297,13 @@ def test_batch_not_divisible_names_the_numbers():
         model(torch.randn(8, 6))
 
 
+def test_more_than_64_ipus_in_one_process_is_poptorchs_error():
+    model = poptorch.inferenceModel(Regression(), poptorch.Options().replicationFactor(128))
+    with pytest.raises(poptorch.Error, match=r"^Too many IPUs requested \(128\)\. Experiments that need "
+                                             r"more than 64 IPUs require distributed execution\."):
+        model(torch.randn(128, 6))
+
+
 def test_zero_sized_input_is_an_error():
     with pytest.raises(poptorch.Error, match="non-empty batch"):
         poptorch.inferenceModel(Regression())(torch.randn(0, 6))
