@@ -188,7 +188,8 @@ class _IPUOptions:
     ``ipu_param`` maps ``"<hyper-parameter>___<parameter name>"`` (``lr``, ``weight_decay``,
     ``betas``...) to tensors of the param groups' values. Both are None until a training model
     has been compiled with the optimizer, as in PopTorch. ``load_state_dict`` applies them after
-    torch's entries (so they win); a torch-only state dict (a CPU checkpoint) loads as well.
+    torch's entries (so they win), or, for an optimizer no training program has used yet, when the
+    first one is built; a torch-only state dict (a CPU checkpoint) loads as well.
     """
 
     _optimizer_wide: tuple[str, ...] = ()
@@ -196,8 +197,11 @@ class _IPUOptions:
     def _record_param_names(self, param_names: Mapping[int, str]) -> None:
         """Called by the runtime when it builds a training program for this optimizer: the
         parameters' names in the model (``id(parameter) -> name``), which name the entries of
-        ``ipu_state``/``ipu_param``."""
+        ``ipu_state``/``ipu_param``. Entries loaded before the names were known apply now."""
         _param_names[self] = dict(param_names)
+        pending = self.__dict__.pop("_pending_ipu_entries", None)
+        if pending is not None:
+            self._apply_ipu_entries(*pending)
 
     def __getstate__(self) -> dict:
         """torch's state, and ``variable_attrs`` (copies and pickles keep the marks)."""
@@ -207,7 +211,8 @@ class _IPUOptions:
         state = super().state_dict()
         names = _param_names.get(self)
         if names is None:
-            return {**state, "ipu_state": None, "ipu_param": None}
+            ipu_state, ipu_param = self.__dict__.get("_pending_ipu_entries", (None, None))
+            return {**state, "ipu_state": ipu_state, "ipu_param": ipu_param}
         ipu_state, ipu_param = {}, {}
         for group, saved in zip(self.param_groups, state["param_groups"]):
             for param, index in zip(group["params"], saved["params"]):
@@ -225,7 +230,13 @@ class _IPUOptions:
         ipu_state, ipu_param = state_dict.get("ipu_state"), state_dict.get("ipu_param")
         if not ipu_state and not ipu_param:
             return
-        names = _param_names.get(self) or {}
+        if self not in _param_names:      # names come with the first training program (as PopTorch
+            self._pending_ipu_entries = (ipu_state, ipu_param)  # uploads a loaded state on first use)
+            return
+        self._apply_ipu_entries(ipu_state, ipu_param)
+
+    def _apply_ipu_entries(self, ipu_state: dict | None, ipu_param: dict | None) -> None:
+        names = _param_names[self]
         params = [(param, group, index) for index, group in enumerate(self.param_groups)
                   for param in group["params"]]
         by_name = {names.get(id(entry[0]), str(position)): entry for position, entry in enumerate(params)}

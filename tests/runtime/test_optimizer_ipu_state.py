@@ -1,7 +1,7 @@
 """PopTorch's ``ipu_state`` / ``ipu_param`` entries of a ``poptorch.optim`` optimizer's
 ``state_dict()``: absent (None) until a training model compiles with it, then the optimizer state
 and hyper-parameters per parameter name, equal to torch eager's after the same steps (fp32, 1e-5);
-loading them sets what the next training model starts from."""
+loading them sets what the next training model starts from (also when loaded before any)."""
 
 import copy
 
@@ -99,6 +99,21 @@ def test_loaded_entries_set_what_the_next_training_model_starts_from():
     eager(reference, torch_optimizer, data)
     for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(param.detach(), expected.detach(), rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_entries_loaded_before_any_training_model_apply_when_one_is_built():
+    model = Net()
+    optimizer = poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    poptorch.trainingModel(model, optimizer=optimizer)(*batches(1)[0])
+    saved = copy.deepcopy(optimizer.state_dict())
+    saved["ipu_param"]["lr___lin.weight"] = saved["ipu_param"]["lr___lin.bias"] = torch.tensor(0.02)
+    fresh_model = Net()
+    fresh = poptorch.optim.SGD(fresh_model.parameters(), lr=0.1, momentum=0.9)
+    fresh.load_state_dict(saved)
+    assert fresh.state_dict()["ipu_param"].keys() == saved["ipu_param"].keys()
+    assert fresh.param_groups[0]["lr"] == 0.1, "names are known once a training program is built"
+    poptorch.trainingModel(fresh_model, optimizer=fresh).compile(*batches(1)[0])
+    assert fresh.param_groups[0]["lr"] == pytest.approx(0.02)
 
 
 def test_a_torch_state_dict_still_loads_and_bad_entries_are_clear_errors():
