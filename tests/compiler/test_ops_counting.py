@@ -3,9 +3,12 @@ checks torch.export adds around bincount's data-dependent length."""
 
 import operator
 
+import jax
 import pytest
 import torch
 
+from ipu_backend import Error
+from ipu_backend.compiler import compile_module, to_jax
 from tests.compiler.harness import OpCase, case_params, check_case
 
 aten = torch.ops.aten
@@ -31,3 +34,17 @@ CASES = [
 @pytest.mark.parametrize("case, dtype", case_params(CASES))
 def test_counting(case, dtype):
     check_case(case, dtype)
+
+
+class CountsWithoutMinlength(torch.nn.Module):
+    def forward(self, x):
+        return torch.bincount(x)
+
+
+def test_bincount_without_minlength_is_poptorchs_error():
+    x = torch.tensor([0, 3, 3, 7])
+    program = compile_module(CountsWithoutMinlength(), (x,))
+    with pytest.raises(Error, match=r"^Bincount `minlength` must be specified and must be a constant\. On the "
+                                    r"IPU MK2 platform the minimum length is also the maximum length\. "
+                                    r"\(torch\.bincount at .*test_ops_counting\.py"):
+        jax.jit(program.logged_fn)({}, {}, (to_jax(x),), jax.random.key(0))

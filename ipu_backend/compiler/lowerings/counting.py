@@ -22,9 +22,11 @@ aten = torch.ops.aten
 @lowering(aten.bincount.default)
 def bincount(ctx, x, weights=None, minlength=0):
     if not minlength:
-        raise Error(f"torch.bincount without minlength at {ctx.location()}: its length depends on the "
-                    "data, which a compiled program cannot have; pass minlength=<number of bins> (values "
-                    "must be below it)")
+        raise Error("Bincount `minlength` must be specified and must be a constant. On the IPU MK2 "
+                    f"platform the minimum length is also the maximum length. (torch.bincount at "
+                    f"{ctx.location()}: its length would depend on the data, which a compiled program "
+                    "cannot have; pass minlength=<number of bins>; values at or above it are not "
+                    "counted.)")
     counts = jnp.zeros((minlength,), jax_dtype(ctx.out.dtype))
     ones = jnp.ones(x.shape, counts.dtype) if weights is None else weights.astype(counts.dtype)
     return counts.at[x].add(ones, mode="drop")
