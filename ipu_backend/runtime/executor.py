@@ -116,6 +116,11 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
     def model(self) -> torch.nn.Module:
         return self._user_model
 
+    def __reduce_ex__(self, protocol):
+        """Pickled (``torch.save(poptorch_model)``) as the wrapped model with the device's
+        weights, as PopTorch's wrapped models are: loading gives the user's module."""
+        return self._user_model.__reduce_ex__(protocol)
+
     def __getattr__(self, name):
         """Attributes of the wrapped model, as PopTorch's executor exposes them."""
         if name.startswith("_"):

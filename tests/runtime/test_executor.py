@@ -2,6 +2,7 @@
 replication, output modes, weights, errors. fp32 tolerance: 1e-5 relative (1e-6 absolute)."""
 
 import copy
+import io
 import re
 
 import jax
@@ -238,6 +239,23 @@ def test_state_dict_after_training_shows_device_weights():
     poptorch.trainingModel(ipu, optimizer=torch.optim.SGD(ipu.parameters(), lr=0.05))(x, y)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(ipu.state_dict()[name], value, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_a_saved_training_model_loads_as_the_users_module_with_the_devices_weights():
+    torch.manual_seed(7)
+    reference = Regression()
+    ipu = copy.deepcopy(reference)
+    x, y = data(4)
+    torch_steps(reference, [(x, y)])
+    executor = poptorch.trainingModel(ipu, optimizer=torch.optim.SGD(ipu.parameters(), lr=0.05))
+    executor(x, y)
+    saved = io.BytesIO()
+    torch.save(executor, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    assert type(loaded) is Regression
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], value, rtol=RTOL, atol=ATOL, msg=name)
 
 
 @pytest.mark.parametrize("set_optimizer", [True, False], ids=["setOptimizer", "param_groups_edited"])
