@@ -85,3 +85,7 @@ __all__ += [
     "PipelinedExecution", "ShardedExecution", "Stage", "recomputationCheckpoint", "removeBlocks",
     "ParallelPhasedExecution", "Phase", "SerialPhasedExecution",
 ]
+
+from ipu_backend.distributed.connection import join_launched_run  # noqa: E402
+
+join_launched_run()

@@ -2,9 +2,18 @@
 
 import torch
 
+from ipu_backend import distributed
 from ipu_backend.options import Options
 from ipu_backend.profiling import recorder_for
 from ipu_backend.runtime.executor import PoplarExecutor
+
+
+def _join_processes(options: Options) -> None:
+    """Options spanning several processes (``Options.Distributed``) need this one connected to
+    the others first."""
+    if options.Distributed.numProcesses > 1:
+        distributed.init(num_instances=options.Distributed.numProcesses,
+                         instance_index=options.Distributed.processId)
 
 
 def trainingModel(model: torch.nn.Module, options=None, optimizer=None) -> PoplarExecutor:  # noqa: N802
@@ -14,6 +23,7 @@ def trainingModel(model: torch.nn.Module, options=None, optimizer=None) -> Popla
     if isinstance(model, PoplarExecutor):
         model = model.model
     options = options if options is not None else Options()
+    _join_processes(options)
     return PoplarExecutor(model, options, training=True, optimizer=optimizer,
                           recorder=recorder_for(options, True, None))
 
@@ -24,4 +34,5 @@ def inferenceModel(model: torch.nn.Module, options=None) -> PoplarExecutor:  # n
     if isinstance(model, PoplarExecutor):
         model = model.model
     options = options if options is not None else Options()
+    _join_processes(options)
     return PoplarExecutor(model, options, training=False, recorder=recorder_for(options, False, None))

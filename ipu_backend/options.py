@@ -17,7 +17,7 @@ Every PopTorch setting is one of three kinds:
   unchanged, checked as PopTorch checks them, recorded (``opts.toDict()["recorded"]``, and read
   back by PopTorch's attribute name, e.g. ``opts.log_dir``), and otherwise without effect;
 * **not emulated**: settings that would change the numbers a program computes (synthetic data,
-  input replica grouping, several host processes) raise :class:`ipu_backend.Error` naming the
+  input replica grouping) raise :class:`ipu_backend.Error` naming the
   option, rather than being silently ignored.
 
 As in PopTorch, the environment variable ``POPTORCH_DEFAULT_OPTIONS`` holds a JSON object of
@@ -51,6 +51,7 @@ from ipu_backend.enums import (
     ReductionType,
     SyncPattern,
 )
+from ipu_backend.distributed import environment as distributed_environment
 from ipu_backend.errors import Error
 from ipu_backend.hardware import DEFAULT_CHECK, MEMORY_CHECKS, MK2, IpuSpec
 from ipu_backend.runtime.optimizers import needs_running_mean
@@ -484,28 +485,32 @@ class _TensorLocationOptions(_OptionGroup):
 class _DistributedOptions(_OptionGroup):
     """Multi-process (PopRun / PopDist) options: ``opts.Distributed``.
 
-    Emulation runs in one process: one process is accepted, several raise an error.
+    By default this process's place among the run's instances, as its launcher set it
+    (``ipu-run``'s variables, else Open MPI's ``OMPI_COMM_WORLD_RANK``/``SIZE`` as PopTorch reads
+    them). With several processes, ``replicationFactor`` counts this process's replicas: the run
+    has ``numProcesses`` times as many, and each process feeds its own replicas' share of the
+    combined batch.
     """
 
     __slots__ = ()
 
     @property
     def processId(self) -> int:
-        """Index of this process: always 0."""
-        return 0
+        """Index of this process among the run's processes."""
+        return self._values["process_id"]
 
     @property
     def numProcesses(self) -> int:
-        """Number of processes: always 1."""
-        return 1
+        """Number of processes the run is distributed over."""
+        return self._values["num_processes"]
 
     distributed_process_id = processId
     num_distributed_processes = numProcesses
 
     @_unless_frozen
     def disable(self) -> Self:
-        """Run as a single process (always the case here)."""
-        return self
+        """Run as a single process, whatever the environment says."""
+        return self.configureProcessId(0, 1)
 
     @_unless_frozen
     def setEnvVarNames(self, var_num_processes: str, var_process_id: str) -> Self:
@@ -516,18 +521,14 @@ class _DistributedOptions(_OptionGroup):
 
     @_unless_frozen
     def configureProcessId(self, process_id: int, num_processes: int) -> Self:
-        """Set this process's index and the number of processes; only one process is emulated."""
+        """Set this process's index and the number of processes (each started by the user's own
+        launcher; the processes connect through ``ipu_backend.distributed.init``)."""
         _int_at_least(num_processes, "num_processes", 1)
         _int_at_least(process_id, "process_id", 0)
-        if num_processes > 1:
-            raise Error(
-                f"Options.Distributed.configureProcessId(process_id={process_id}, "
-                f"num_processes={num_processes}): several host processes are not emulated (each "
-                "would train on its own share of the data). Use one process with "
-                "Options.replicationFactor(n) instead.")
-        if process_id != 0:
+        if process_id >= num_processes:
             raise InvalidArgument(
                 f"process_id must be below num_processes ({num_processes}), got {process_id}")
+        self._values.update(process_id=process_id, num_processes=num_processes)
         return self
 
 
@@ -637,7 +638,8 @@ class Options(_OptionGroup):
         self._training = _TrainingOptions(shared)
         self._precision = _PrecisionOptions(shared)
         self._tensor_locations = _TensorLocationOptions(shared)
-        self._distributed = _DistributedOptions(shared)
+        instance = distributed_environment.from_environment()
+        self._distributed = _DistributedOptions(shared, process_id=instance.index, num_processes=instance.count)
         self._jit = _JitOptions(shared)
         self._popart = _PopartOptions(shared)
 
@@ -693,7 +695,7 @@ class Options(_OptionGroup):
 
     @property
     def Distributed(self) -> _DistributedOptions:
-        """Multi-process options (a single process is emulated)."""
+        """Multi-process options: this process's index and the number of processes."""
         return self._distributed
 
     @property
@@ -1077,6 +1079,7 @@ class Options(_OptionGroup):
         recomputation = self._Popart.options.get("autoRecomputation", 0)
         return RunSettings(
             device_iterations=self.device_iterations, replication_factor=self.replication_factor,
+            processes=self.Distributed.numProcesses, process_index=self.Distributed.processId,
             gradient_accumulation=training.gradient_accumulation,
             mean_reduction=training.accumulation_and_replication_reduction_type != ReductionType.Sum,
             running_mean=training.mean_reduction_strategy == MeanReductionStrategy.Running,
@@ -1088,7 +1091,7 @@ class Options(_OptionGroup):
             auto_round_num_ipus=self.auto_round_num_ipus,
             recomputation=int(getattr(recomputation, "value", recomputation)),
             ipu_spec=self.ipu_spec, memory_check=self.memory_check, staging=_staging(self.execution_strategy),
-            key=repr(sorted(self.toDict().items())))
+            key=repr((sorted(self.toDict().items()), self.Distributed.numProcesses)))
 
     def _groups(self) -> tuple[_OptionGroup, ...]:
         return (self, self._training, self._precision, self._tensor_locations)

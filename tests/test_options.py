@@ -281,8 +281,6 @@ def test_settings_that_would_change_numerics_are_refused_by_name():
         Options().enableSyntheticData(True)
     with pytest.raises(Error, match=r"inputReplicaGrouping\(2, Orthogonal\) is not emulated"):
         Options().replicationFactor(4).inputReplicaGrouping(2, CommGroupType.Orthogonal)
-    with pytest.raises(Error, match=r"configureProcessId.*not emulated"):
-        Options().Distributed.configureProcessId(0, 2)
     opts = Options().replicationFactor(4)
     assert opts.enableSyntheticData(False).inputReplicaGrouping(
         4, CommGroupType.NoGrouping).inputReplicaGrouping(1, CommGroupType.Consecutive) == opts

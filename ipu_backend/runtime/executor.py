@@ -100,6 +100,9 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         self._destroyed = False
 
     def _check_settings(self) -> None:
+        if self._settings.processes > 1:
+            raise Error(f"Options.Distributed spans {self._settings.processes} processes, but executors run "
+                        "their replicas in this process only: use Options.Distributed.disable()")
         if not self._settings.broadcast_buffers:
             raise Error("Options.broadcastBuffers(False) (per-replica buffers) is not emulated: "
                         "replicas start each step from replica 0's buffers; leave it True")

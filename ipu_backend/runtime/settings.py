@@ -58,7 +58,9 @@ class RunSettings:
     """The options as the runtime reads them (see ``ipu_backend.Options`` for each setting)."""
 
     device_iterations: int = 1
-    replication_factor: int = 1
+    replication_factor: int = 1             # replicas of this process
+    processes: int = 1                      # host processes the replicas are spread over
+    process_index: int = 0                  # this process's index among them
     gradient_accumulation: int = 1
     mean_reduction: bool = True             # accumulation and replication reduce by the mean
     running_mean: bool = False              # MeanReductionStrategy.Running
