@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import IterableDataset, Sampler
 
 from ipu_backend.data.gather import gather, row_selections, tensor_source
+from ipu_backend.data.partition import ProcessShard
 from ipu_backend.data.prefetch import FetchAhead, PrefetchIterator
 from ipu_backend.data.rebatching import rebatch
 from ipu_backend.enums import DataLoaderMode
@@ -56,8 +57,13 @@ class DataLoader(torch.utils.data.DataLoader):
     When the options have a random seed (``Options.randomSeed``) and no ``generator`` is given,
     shuffling is deterministic: the same seed gives the same epochs.
 
-    The options are frozen. ``auto_distributed_partitioning`` is inert (a single process is
-    emulated). Other keyword arguments go to ``torch.utils.data.DataLoader``.
+    With several processes (``Options.Distributed``), ``auto_distributed_partitioning`` (the
+    default) gives each process its own block of a map-style dataset, as PopTorch does
+    (:mod:`~ipu_backend.data.partition`); shuffling then needs ``Options.randomSeed``, so that
+    every process permutes the dataset the same way. With ``False`` each process reads the whole
+    dataset (shard it yourself).
+
+    The options are frozen. Other keyword arguments go to ``torch.utils.data.DataLoader``.
     """
 
     def __init__(self, options: Options, dataset: torch.utils.data.Dataset,
@@ -108,6 +114,11 @@ class DataLoader(torch.utils.data.DataLoader):
         self._rebatch_drop_last = drop_last
 
         is_iterable = isinstance(dataset, IterableDataset)
+        self._shard = None
+        if options.Distributed.numProcesses > 1 and auto_distributed_partitioning:
+            self._shard = _process_shard(options, dataset, combined, drop_last, shuffle,
+                                         batch_sampler is not None, is_iterable)
+            dataset, shuffle = self._shard.subset, False        # the shard shuffles every process alike
         if options.random_seed is not None and "generator" not in kwargs:
             kwargs["generator"] = torch.Generator().manual_seed(options.random_seed)
         if persistent_workers is None:
@@ -148,6 +159,8 @@ class DataLoader(torch.utils.data.DataLoader):
     def __iter__(self) -> Iterator[Any]:
         if self.persistent_workers and self.num_workers > 0:
             self.terminate()  # torch restarts its one iterator, which a prefetcher may be reading
+        if self._shard is not None:
+            self._shard.next_epoch()
         if self._mode is DataLoaderMode.Sync:
             return self._sync_batches(ahead=True)
         batches = self._sync_batches()
@@ -177,6 +190,25 @@ class DataLoader(torch.utils.data.DataLoader):
         if ahead:
             return FetchAhead(tensors, selections)
         return (gather(tensors, rows) for rows in selections)
+
+
+def _process_shard(options: Options, dataset, combined: int | None, drop_last: bool, shuffle: bool,
+                   user_batch_sampler: bool, is_iterable: bool) -> ProcessShard:
+    """This process's block of ``dataset`` (PopTorch's checks and messages)."""
+    if user_batch_sampler:
+        raise InvalidArgument("`batch_sampler` option is mutually exclusive with "
+                              "auto_distributed_partitioning=True.")
+    if is_iterable:
+        raise InvalidArgument("auto_distributed_partitioning is not supported for an IterableDataset: give "
+                              "each process its own data and pass auto_distributed_partitioning=False")
+    if shuffle and options.random_seed is None:
+        raise InvalidArgument("When using auto_distributed_partitioning you must set "
+                              "poptorch.Options.randomSeed() to ensure that tensors are in the same order "
+                              "in all processes.")
+    if combined is None:
+        raise InvalidArgument("batch_size=None not allowed when using auto_distributed_partitioning.")
+    return ProcessShard(dataset, options.Distributed.processId, options.Distributed.numProcesses, combined,
+                        drop_last, options.random_seed, shuffle)
 
 
 def _buffer_size(async_options: Mapping[str, Any] | None) -> int:

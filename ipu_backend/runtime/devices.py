@@ -8,6 +8,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ipu_backend.errors import Error
+from ipu_backend.runtime.processes import devices_for
 
 DEFAULT_CPU_DEVICES = 8
 MAX_IPUS_PER_PROCESS = 64
@@ -54,16 +55,19 @@ def _one_each(what: str, count: int) -> str:
     return ""
 
 
-def replica_mesh(replicas: int) -> Mesh:
-    """A 1-D mesh over as many devices as divide ``replicas``; the rest fold onto them."""
-    check_ipus_per_process(replicas)
-    available = jax.devices()
-    count = max(d for d in range(1, min(replicas, len(available)) + 1) if replicas % d == 0)
-    if count < replicas:
-        warnings.warn(f"{replicas} replicas run on {count} JAX {_backend()} device(s) ({len(available)} "
-                      f"available): {replicas // count} replicas share each device, with identical "
-                      f"numerics.{_one_each('replica', replicas)}", stacklevel=3)
-    return Mesh(np.array(available[:count]), (REPLICA,))
+def replica_mesh(replicas: int, processes: int = 1) -> Mesh:
+    """A 1-D mesh over as many devices as divide ``replicas``; the rest fold onto them. Spread over
+    several host processes, each gives as many of its own devices as divide its share, and the
+    mesh lists them by process (:func:`~ipu_backend.runtime.processes.devices_for`)."""
+    local = replicas // processes
+    check_ipus_per_process(local)
+    devices, count = devices_for(local, processes)
+    if count < local:
+        where = " in each process" if processes > 1 else ""
+        warnings.warn(f"{local} replicas run on {count} JAX {_backend()} device(s) ({len(jax.local_devices())} "
+                      f"available{where}): {local // count} replicas share each device, with identical "
+                      f"numerics.{_one_each('replica', local)}", stacklevel=3)
+    return Mesh(np.array(devices), (REPLICA,))
 
 
 def memory_in_use() -> list[int]:

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from ipu_backend.compiler import compile_module, float32_precision
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, totals_of
 from ipu_backend.errors import Error
-from ipu_backend.runtime import compile_hooks, perf_counters, serialization
+from ipu_backend.runtime import compile_hooks, perf_counters, processes, serialization
 from ipu_backend.runtime.lifecycle import (
     NO_EXECUTABLE,
     CompiledStep,
@@ -100,9 +100,6 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         self._destroyed = False
 
     def _check_settings(self) -> None:
-        if self._settings.processes > 1:
-            raise Error(f"Options.Distributed spans {self._settings.processes} processes, but executors run "
-                        "their replicas in this process only: use Options.Distributed.disable()")
         if not self._settings.broadcast_buffers:
             raise Error("Options.broadcastBuffers(False) (per-replica buffers) is not emulated: "
                         "replicas start each step from replica 0's buffers; leave it True")
@@ -387,6 +384,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         program folds them into this call's key)."""
         schedule = self._schedule()
         mesh = None if compiled.multi_ipu else self._mesh()
+        place_inputs = place_inputs or schedule.processes > 1    # a program over processes takes global arrays
         inputs = inputs_to_device(args, schedule, mesh) if place_inputs else host_inputs(args, schedule)
         key = self._base_key()
         index = np.uint32(self._next_call_index() if advance else 0)
@@ -397,7 +395,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             state.update(opt=self._optimizer_state(compiled.rule, params),
                          scaler=self._scaler_state(compiled.rule, hyper))
         if mesh is not None and not self._is_resident(state):
-            state = jax.device_put(state, NamedSharding(mesh, P()))
+            state = processes.replicated(state, mesh, first_process=True)
         return (state, inputs, hyper, key, index) if self._training else (state, inputs, key, index)
 
     def _offloads_optimizer_state(self, compiled: CompiledStep) -> bool:
@@ -428,7 +426,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         if cached is None or cached[0] is not rule or cached[1] != values:
             hyper = rule.hyperparameters(self._optimizer)
             if mesh is not None:
-                hyper = jax.device_put(hyper, NamedSharding(mesh, P()))
+                hyper = processes.replicated(hyper, mesh)
             self._hyper = cached = (rule, values, hyper)
         return cached[2]
 
@@ -460,6 +458,9 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         log_dtypes.update({name + TOTAL_SUFFIX: log_dtypes[name] for name in totals})
         rule, loss_index = self._rule_and_loss(program)
         names = {id(p): n for n, p in torch.nn.Module.named_parameters(model)}
+        if has_blocks(program.graph_module) and schedule.processes > 1:
+            raise Error("a model split over IPUs (BeginBlock, Block, Stage) runs in one process: several "
+                        "processes (Options.Distributed) replicate single-IPU models only")
         if has_blocks(program.graph_module):        # split over IPUs
             multi = self._split_program(micro, schedule, program, rule, loss_index)
             if multi is not None:

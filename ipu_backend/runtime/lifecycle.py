@@ -14,14 +14,13 @@ import logging
 import time
 
 import jax
+import numpy as np
 import torch
 import torch.utils._pytree as torch_pytree
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from ipu_backend.compiler import containers
 from ipu_backend.errors import Error
-from ipu_backend.runtime import compilation_cache, host_idle, memory, perf_counters
+from ipu_backend.runtime import compilation_cache, host_idle, memory, perf_counters, processes
 from ipu_backend.runtime.devices import replica_mesh
 from ipu_backend.runtime.outputs import output_to_host
 from ipu_backend.runtime.packing import Packing
@@ -90,7 +89,7 @@ def first_micro_batch(args: tuple, schedule: Schedule) -> tuple:
             raise Error(
                 f"Invalid batch dimension: the input's batch dimension ({x.shape[0]}) must be a "
                 f"multiple of Options.deviceIterations({schedule.device_iterations}) * "
-                f"Options.replicationFactor({schedule.replicas}) * "
+                f"Options.replicationFactor({schedule.local_replicas}) * "
                 f"Options.Training.gradientAccumulation({schedule.accumulation}) = "
                 f"{schedule.factor}; resize the batch (or use poptorch.DataLoader, which "
                 "builds combined batches of the right size)")
@@ -123,7 +122,8 @@ def schedule_for(settings: RunSettings, training: bool) -> Schedule:
     return Schedule(
         device_iterations=settings.device_iterations,
         accumulation=settings.gradient_accumulation if training else 1,
-        replicas=settings.replication_factor,
+        replicas=settings.replication_factor * settings.processes,
+        processes=settings.processes,
         mean_reduction=settings.mean_reduction,
         output_mode=mode,
         output_period=settings.output_period,
@@ -155,8 +155,13 @@ class Executor:
         """The compiled Program that ran in the last call (its ``logs``, output shapes)."""
         self._store = weight_store(model)
         self._compiled: dict = {}
+        self._check_processes()
         seed = self._settings.random_seed
-        self._seed = int(torch.randint(0, 2**31 - 1, ())) if seed is None else seed
+        seed = int(torch.randint(0, 2**31 - 1, ())) if seed is None else seed
+        if self._settings.processes > 1:
+            seed = int(processes.from_first_process(np.int32(seed)))
+        self._seed = seed
+        """Options.randomSeed, else drawn from torch's generator; over several processes, process 0's."""
         self._key = None
         self._calls_made = 0
         self._schedule_value = self._make_schedule()
@@ -184,6 +189,14 @@ class Executor:
     def _check_settings(self) -> None:
         """Refuse settings this kind cannot honour (before anything else is set up)."""
 
+    def _check_processes(self) -> None:
+        """Several processes (``Options.Distributed``) must be the ones JAX connects."""
+        count, index = self._settings.processes, self._settings.process_index
+        if count > 1 and (processes.process_count(), jax.process_index()) != (count, index):
+            raise Error(f"Options.Distributed makes this process {index} of {count}, but JAX connects "
+                        f"{processes.process_count()} process(es): start the processes with ipu-run, or call "
+                        "ipu_backend.distributed.init() at the start of each")
+
     def _make_schedule(self) -> Schedule:
         return schedule_for(self._settings, self._training)
 
@@ -205,7 +218,7 @@ class Executor:
     def _mesh(self):
         """The replica mesh, made once (the options are frozen)."""
         if self._mesh_value is None:
-            self._mesh_value = replica_mesh(self._schedule_value.replicas)
+            self._mesh_value = replica_mesh(self._schedule_value.replicas, self._schedule_value.processes)
         return self._mesh_value
 
     def _base_key(self):
@@ -213,8 +226,8 @@ class Executor:
         torch.manual_seed makes runs repeatable); made once, on the replica mesh. A program folds
         in the call's index (:meth:`_next_call_index`)."""
         if self._key is None:
-            key = jax.random.key(self._seed)
-            self._key = jax.device_put(key, NamedSharding(self._mesh(), P()))
+            key = jax.random.key_data(jax.random.key(self._seed))
+            self._key = jax.random.wrap_key_data(processes.replicated(key, self._mesh()))
         return self._key
 
     def _next_call_index(self) -> int:

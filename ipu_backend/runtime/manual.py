@@ -184,6 +184,9 @@ class ManualStepExecutor(Executor):
         self.last_events: tuple = ()
 
     def _check_settings(self) -> None:
+        if self._settings.processes > 1:
+            raise Error("manual optimization runs in one process: its replicas cannot be spread over "
+                        f"{self._settings.processes} processes (Options.Distributed, Trainer(num_nodes=...))")
         if self._settings.gradient_accumulation != 1:
             raise Error("gradient accumulation is not available with manual optimization: accumulate "
                         "in the training step (several manual_backward calls before a step)")

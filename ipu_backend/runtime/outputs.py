@@ -1,13 +1,12 @@
 """Host side of a call: combined-batch inputs onto the replica mesh, outputs back in PopTorch's shapes."""
 
-import jax
 import numpy as np
 import torch
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ipu_backend.compiler import jax_dtype, to_torch
 from ipu_backend.compiler.dtypes import to_jax
+from ipu_backend.runtime import processes
 from ipu_backend.runtime.devices import REPLICA
 from ipu_backend.runtime.schedule import Schedule, split_batch
 
@@ -25,18 +24,20 @@ def host_inputs(args: tuple, schedule: Schedule) -> list:
 
 
 def inputs_to_device(args: tuple, schedule: Schedule, mesh) -> list:
-    """:func:`host_inputs` sharded on the replica axis of ``mesh``; left on the host when ``mesh``
-    is None (a multi-IPU program sends each to the stages reading it)."""
+    """:func:`host_inputs` sharded on the replica axis of ``mesh`` (across processes, this
+    process's share of the global batch); left on the host when ``mesh`` is None (a multi-IPU
+    program sends each to the stages reading it)."""
     arrays = host_inputs(args, schedule)
     if mesh is None:
         return arrays
-    return jax.device_put(arrays, NamedSharding(mesh, P(None, None, REPLICA)))   # one batched copy
+    return processes.batch_on_mesh(arrays, mesh, P(None, None, REPLICA))   # one batched copy
 
 
 def output_to_host(array, dtype: torch.dtype) -> torch.Tensor:
     """``[R, D', A', *s]`` → PopTorch's shape: micro-batch outputs concatenated in input order
-    (iteration, micro-batch, replica); scalars stacked, and a single scalar stays 0-d."""
-    host = np.asarray(array)
+    (iteration, micro-batch, replica); scalars stacked, and a single scalar stays 0-d. Across
+    processes, this process's replicas' outputs, as PopDist returns them."""
+    host = processes.local_rows(array)
     if host.shape[0] > 1:
         host = np.moveaxis(host, 0, 2)             # [D', A', R, *s]; one replica: already so
     count = host.shape[0] * host.shape[1] * host.shape[2]

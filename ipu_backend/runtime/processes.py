@@ -72,9 +72,10 @@ def batch_on_mesh(arrays: list, mesh: Mesh, spec: P) -> list:
 
 
 def local_rows(array) -> np.ndarray:
-    """The host value of ``array``, or across processes this process's rows of it: a replicated
-    array whole, an array sharded on its first axis (``[R, ...]``) its own replicas' rows."""
-    if array.is_fully_addressable or array.is_fully_replicated:
+    """The host value of ``array`` (a host array as it is), or across processes this process's rows
+    of it: a replicated array whole, an array sharded on its first axis (``[R, ...]``) its own
+    replicas' rows."""
+    if not isinstance(array, jax.Array) or array.is_fully_addressable or array.is_fully_replicated:
         return np.asarray(array)
     shards = {}
     for shard in array.addressable_shards:
@@ -83,7 +84,5 @@ def local_rows(array) -> np.ndarray:
 
 
 def from_first_process(value):
-    """``value`` (host arrays) as process 0 has it, in every process."""
-    if process_count() == 1:
-        return value
+    """``value`` (host arrays) as process 0 has it, in every process (a collective)."""
     return multihost_utils.broadcast_one_to_all(value)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Schedule:
-    """How one host call is split: D device iterations × A micro-batches × R replicas."""
+    """How one host call is split: D device iterations × A micro-batches × R replicas, the
+    replicas spread evenly over ``processes`` host processes (each feeds its own share)."""
 
     device_iterations: int
     accumulation: int
@@ -28,16 +29,23 @@ class Schedule:
     dynamic_loss_scaling: bool = False
     stochastic_rounding: bool = False
     master_weights: bool = False
+    processes: int = 1
+
+    @property
+    def local_replicas(self) -> int:
+        """The replicas of one process."""
+        return self.replicas // self.processes
 
     @property
     def factor(self) -> int:
-        return self.device_iterations * self.accumulation * self.replicas
+        """Micro-batches in one process's combined batch."""
+        return self.device_iterations * self.accumulation * self.local_replicas
 
 
 def split_batch(array, schedule: Schedule):
-    """Combined batch ``[D·A·R·m, ...]`` → ``[D, A, R, m, ...]``."""
+    """One process's combined batch ``[D·A·r·m, ...]`` → ``[D, A, r, m, ...]`` (``r``: its replicas)."""
     micro = array.shape[0] // schedule.factor
-    return array.reshape(schedule.device_iterations, schedule.accumulation, schedule.replicas,
+    return array.reshape(schedule.device_iterations, schedule.accumulation, schedule.local_replicas,
                          micro, *array.shape[1:])
 
 

@@ -95,8 +95,36 @@ def test_several_processes_without_a_coordinator_say_how_to_launch():
         poptorch.trainingModel(torch.nn.Linear(2, 1), opts)
 
 
-def test_an_executor_over_several_processes_is_refused_for_now():
+def test_an_executor_over_processes_jax_does_not_connect_is_refused():
     opts = poptorch.Options()
     opts.Distributed.configureProcessId(0, 2)
-    with pytest.raises(poptorch.Error, match="executors run their replicas in this process only"):
+    with pytest.raises(poptorch.Error, match=r"process 0 of 2, but JAX connects 1 process\(es\): start the "
+                                             "processes with ipu-run"):
         PoplarExecutor(torch.nn.Linear(2, 1), opts, training=False)
+
+
+def spanning_two_processes() -> poptorch.Options:
+    opts = poptorch.Options()
+    opts.Distributed.configureProcessId(0, 2)
+    return opts
+
+
+def test_manual_optimization_over_several_processes_is_refused():
+    from ipu_backend import lightning_seam
+
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(poptorch.Error, match="manual optimization runs in one process"):
+        lightning_seam.manual_step_executor(model, spanning_two_processes(), [torch.optim.SGD(model.parameters())],
+                                            "training_step", None, None)
+
+
+def test_a_model_split_over_ipus_over_several_processes_is_refused(monkeypatch):
+    """As if JAX connected two processes (this is process 0): the split model is refused when built."""
+    from ipu_backend.runtime import processes
+
+    monkeypatch.setattr(processes, "process_count", lambda: 2)
+    monkeypatch.setattr(processes, "from_first_process", lambda value: value)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    poptorch.BeginBlock(model[1], ipu_id=1)
+    with pytest.raises(poptorch.Error, match=r"split over IPUs \(BeginBlock, Block, Stage\) runs in one process"):
+        PoplarExecutor(model, spanning_two_processes(), training=False)(torch.ones(2, 2))

@@ -509,7 +509,7 @@ def test_optimizer_state_round_trips_through_a_checkpoint():
 def test_replicas_fold_onto_fewer_devices_with_the_same_numbers(monkeypatch):
     import ipu_backend.runtime.devices as devices
     available = jax.devices()[:2]
-    monkeypatch.setattr(devices.jax, "devices", lambda: available)
+    monkeypatch.setattr(devices.jax, "local_devices", lambda: available)
     torch.manual_seed(12)
     reference = Regression()
     ipu = copy.deepcopy(reference)

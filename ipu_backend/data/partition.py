@@ -1,0 +1,47 @@
+"""Each process's share of a dataset when the replicas are spread over several processes, as
+PopTorch's ``DataLoader`` partitions it (``auto_distributed_partitioning``).
+
+Process ``p`` of ``P`` reads one contiguous block of the dataset: with ``drop_last`` the blocks
+hold the same whole number of combined batches, ``step * (n // (step * P))`` samples each;
+without it the samples are spread as evenly as they go. Shuffling permutes the whole dataset
+the same way in every process (from ``Options.randomSeed``, one permutation per epoch) before
+the blocks are taken, and every other epoch shifts the blocks by the samples they leave out, so
+that all of them are read.
+"""
+
+import torch
+from torch.utils.data import Dataset, Subset
+
+from ipu_backend.options import InvalidArgument
+
+
+class ProcessShard:
+    """The block of ``dataset`` that process ``process`` of ``processes`` reads, as ``subset``."""
+
+    def __init__(self, dataset: Dataset, process: int, processes: int, step: int, drop_last: bool,
+                 seed: int | None, shuffle: bool) -> None:
+        size = len(dataset)
+        if drop_last:
+            length = step * (size // (step * processes))
+            if length == 0:
+                raise InvalidArgument(
+                    f"The dataset's {size} samples do not make one combined batch of {step} for each "
+                    f"of the {processes} processes (drop_last=True)")
+            offset, self.leftovers = process * length, size % length
+        else:
+            lengths = [size // processes + (size % processes > p) for p in range(processes)]
+            offset, length, self.leftovers = sum(lengths[:process]), lengths[process], 0
+        self.size, self.offset, self.length = size, offset, length
+        self.generator = torch.Generator().manual_seed(seed) if shuffle else None
+        self.shifted = False
+        self.subset = Subset(dataset, range(offset, offset + length))
+
+    def next_epoch(self) -> None:
+        """Before each epoch: with shuffling, a new permutation of the whole dataset, and the block
+        shifted by the left-out samples every other epoch."""
+        if self.generator is None:
+            return
+        order = torch.randperm(self.size, generator=self.generator)
+        self.shifted = not self.shifted
+        start = self.offset + (self.leftovers if self.shifted else 0)
+        self.subset.indices = order[start:start + self.length].tolist()
