@@ -13,6 +13,9 @@ import torch
 
 from ipu_backend.blocks import annotated_ipu_ids
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, metrics_of
+from ipu_backend.distributed import environment as _environment
+from ipu_backend.distributed import init as join_processes
+from ipu_backend.distributed.collectives import all_gather, barrier, broadcast_object
 from ipu_backend.hardware import MK2
 from ipu_backend.options import Options
 from ipu_backend.profiling import DEFAULT_DIR, recorder_for
@@ -23,12 +26,24 @@ from ipu_backend.runtime.manual import ManualStepExecutor, SchedulerStep, Step, 
 
 __all__ = [
     "DEFAULT_REPORT_DIR", "MK2", "TOTAL_SUFFIX", "GradientClipping", "ManualStepExecutor", "PoplarExecutor",
-    "SchedulerStep", "Step", "StepEvents", "annotated_ipu_ids", "manual_step_executor", "memory_in_use",
-    "metrics_of", "step_executor",
+    "SchedulerStep", "Step", "StepEvents", "all_gather", "annotated_ipu_ids", "barrier", "broadcast_object",
+    "coordinator_from_environment", "ipu_run_instance", "join_processes", "manual_step_executor",
+    "memory_in_use", "metrics_of", "step_executor",
 ]
 
 DEFAULT_REPORT_DIR = DEFAULT_DIR
 """Where ``IPUStrategy(autoreport=True)`` writes reports when given no directory."""
+
+
+def ipu_run_instance() -> _environment.Instance | None:
+    """This process's place (``index``, ``count``, ``local_index``...) when ``ipu-run`` started it."""
+    instance = _environment.from_environment()
+    return instance if instance.launched else None
+
+
+def coordinator_from_environment() -> str | None:
+    """The ``host:port`` of JAX's coordination service the environment names, if any."""
+    return _environment.coordinator()
 
 
 def step_executor(module: torch.nn.Module, options: Options, method: str, training: bool,

@@ -6,7 +6,8 @@ gradient_accumulation`` of its consecutive batches into one combined batch. So w
 and ``batch_size=b`` each combined batch holds exactly the samples the same loader with
 ``batch_size=4b`` would give, in the same order. An iterable dataset is batched by the combined
 batch size directly. Either way only whole combined batches are used (the IPU loader warns about
-what it drops), and no ``DistributedSampler`` is involved: the replicas share one host process.
+what it drops). With several processes (``num_nodes``) Lightning's ``DistributedSampler`` gives each
+process its shard first, as with DDP; the replicas of one process share its batches.
 """
 
 import warnings
@@ -50,11 +51,11 @@ def to_ipu_dataloader(dataloader: object, options: ipu_backend.Options, stage: s
         if dataloader.batch_size is None:
             raise _unbatched(stage)
         return ipu_backend.DataLoader(options, dataloader.dataset, batch_size=dataloader.batch_size,
-                                      drop_last=True, **kwargs)
+                                      drop_last=True, auto_distributed_partitioning=False, **kwargs)
     batch_sampler = dataloader.batch_sampler
     if batch_sampler is None:
         raise _unbatched(stage)
-    return ipu_backend.DataLoader(options, dataloader.dataset, drop_last=True,
+    return ipu_backend.DataLoader(options, dataloader.dataset, drop_last=True, auto_distributed_partitioning=False,
                                   batch_sampler=_whole_micro_batches(batch_sampler, factor, stage),
                                   **kwargs)
 

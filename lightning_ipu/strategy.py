@@ -63,6 +63,9 @@ import torch
 from typing_extensions import override
 
 from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only as utils_rank_zero_only
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -73,7 +76,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import ipu_backend
 from ipu_backend import lightning_seam as seam
-from lightning_ipu import _data, _loop_progress, _metrics, _outputs
+from lightning_ipu import _data, _loop_progress, _metrics, _outputs, _processes
 
 from .precision import IPUPrecision
 
@@ -154,8 +157,10 @@ class IPUStrategy(ParallelStrategy):
         self._gradient_clipping: seam.GradientClipping | None = None
         self._trainer = None
         self._accumulate_grad_batches: int | None = None
+        self._num_nodes = 1
+        self._rank, self._processes = 0, 1
 
-    # --- one process, many replicas ----------------------------------------------------------
+    # --- processes: one per node, each driving `devices` replicas ----------------------------
     @property
     @override
     def root_device(self) -> torch.device:
@@ -164,61 +169,111 @@ class IPUStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        """Replicas are emulated inside one process: no process group, no DistributedSampler."""
-        return False
+        """Several processes (``num_nodes``): Lightning then gives each its shard of the data."""
+        return self._processes > 1
 
     @property
     @override
     def world_size(self) -> int:
-        return 1
+        """The processes, one per node (not the replicas: a process drives ``devices`` of them)."""
+        return self._processes
 
     @property
     @override
     def global_rank(self) -> int:
-        return 0
+        return self._rank
 
     @property
     @override
     def local_rank(self) -> int:
-        return 0
+        instance = _processes.launched_by_ipu_run()
+        return instance.local_index if instance is not None else 0
 
     @property
     @override
     def node_rank(self) -> int:
-        return 0
+        return self._rank
 
     @property
     def num_nodes(self) -> int:
-        return 1
+        return self._num_nodes
 
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
-        if num_nodes != 1:
-            raise MisconfigurationException(f"`Trainer(accelerator='ipu', num_nodes={num_nodes})`: emulated "
-                                            "IPUs run in one host process; leave num_nodes at 1")
+        self._num_nodes = num_nodes
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """A DistributedSampler's share: one per process (its replicas then split its batches)."""
+        return {"num_replicas": self._processes, "rank": self._rank}
 
     def set_world_ranks(self) -> None:
-        """Called by the Trainer once ``devices`` is known: validate the number of replicas."""
+        """Called by the Trainer once ``devices`` is known: this process's rank among the
+        ``num_nodes`` processes (from ipu-run or Lightning's cluster environment), and the number
+        of replicas validated."""
+        self._rank, self._processes = self._place()
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self._rank)
+            self.cluster_environment.set_world_size(self._processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self._rank
         options = self._user_training_opts or self._user_inference_opts
         _check_replicas(len(self.parallel_devices), options is not None and options.auto_round_num_ipus,
                         f"Trainer(accelerator='ipu', devices={len(self.parallel_devices)})")
 
+    def _place(self) -> tuple[int, int]:
+        """(rank, processes) as the launcher tells them; one process per node."""
+        instance, environment = _processes.launched_by_ipu_run(), self.cluster_environment
+        if instance is not None:
+            rank, processes = instance.index, instance.count
+            devices = len(self.parallel_devices)
+            if devices not in (instance.local_replicas, instance.local_replicas * instance.ipus_per_replica):
+                raise MisconfigurationException(
+                    f"`Trainer(accelerator='ipu', devices={devices})` but ipu-run gives each instance "
+                    f"{instance.local_replicas} replica(s) (--num-replicas {instance.total_replicas} over "
+                    f"--num-instances {instance.count}): make them agree")
+        elif environment is None or not environment.creates_processes_externally:
+            rank, processes = 0, 1
+        elif isinstance(environment, LightningEnvironment):      # NODE_RANK/LOCAL_RANK set by hand
+            rank, processes = environment.node_rank(), self._num_nodes
+        else:                                                    # torchrun, SLURM, ...
+            rank, processes = environment.global_rank(), environment.world_size()
+        if processes != self._num_nodes:
+            raise MisconfigurationException(
+                f"`Trainer(accelerator='ipu', num_nodes={self._num_nodes})` runs one process per node, each "
+                f"driving `devices` replicas, but {processes} process(es) were started. Start one per node: "
+                f"ipu-run --num-instances {self._num_nodes}, torchrun --nnodes {self._num_nodes} "
+                "--nproc-per-node 1, or srun --ntasks-per-node 1")
+        return rank, processes
+
+    @override
+    def setup_environment(self) -> None:
+        """Connect to the other processes (jax.distributed) before anything runs on the IPUs."""
+        environment = self.cluster_environment
+        if self._processes > 1:
+            _processes.connect(self._rank, self._processes, environment.main_address, environment.main_port)
+        super().setup_environment()
+
     @override
     def reduce(self, tensor, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        """Logged values are reduced over replicas on the device already (``reduce_fx``)."""
-        return tensor
+        """``tensor`` reduced over the processes (``self.log`` values are reduced already:
+        see ``_log``)."""
+        if self._processes == 1 or not isinstance(tensor, torch.Tensor):
+            return tensor
+        return _processes.reduce(tensor, reduce_op)
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        """One process: nothing to wait for."""
+        if self._processes > 1:
+            _processes.barrier(name or "lightning_ipu")
 
     @override
     def broadcast(self, obj, src: int = 0):
-        return obj
+        return obj if self._processes == 1 else _processes.broadcast(obj, src)
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
-        return tensor
+        return tensor if self._processes == 1 else _processes.all_gather(tensor)
 
     @override
     def model_to_device(self) -> None:
@@ -268,6 +323,8 @@ class IPUStrategy(ParallelStrategy):
                 device_iterations=self.device_iterations, replication_factor=replicas,
                 gradient_accumulation=accumulation,
                 auto_loss_scaling=training and isinstance(precision, IPUPrecision) and precision.loss_scaling)
+        if (options.Distributed.processId, options.Distributed.numProcesses) != (self._rank, self._processes):
+            options.Distributed.configureProcessId(self._rank, self._processes)
         if options.random_seed is None:
             with torch.random.fork_rng(devices=[]):       # Options.randomSeed also seeds torch
                 options.randomSeed(_default_seed())
@@ -419,9 +476,9 @@ class IPUStrategy(ParallelStrategy):
         except StopIteration as error:   # would silently end Lightning's loop
             raise RuntimeError(f"the compiled {method} raised StopIteration") from error
         program = executor.last_program
-        metrics = _metrics.update(self.lightning_module, program, executor.last_logs,
-                                  executor.options.device_iterations)
-        self._log(program, executor.last_logs, metrics)
+        logged = executor.last_logs if self._processes == 1 else _processes.gathered(executor.last_logs)
+        metrics = _metrics.update(self.lightning_module, program, logged, executor.options.device_iterations)
+        self._log(program, logged, metrics)
         return _outputs.combine_outputs(result, program, _micro_batch_size(args[0], factor))
 
     def _executor(self, method: str) -> seam.PoplarExecutor:
@@ -515,8 +572,11 @@ class IPUStrategy(ParallelStrategy):
 
     def _log(self, program, logged: dict, metrics: dict) -> None:
         """Hand each ``self.log`` of the compiled step to Lightning, with its concrete value (a
-        torchmetrics object as itself, its state brought up to date by ``_metrics.update``)."""
+        torchmetrics object as itself, its state brought up to date by ``_metrics.update``).
+        With several processes the values come from every process's replicas already, so
+        Lightning is not asked to reduce them again (``sync_dist``)."""
         module = self.lightning_module
+        synced = {"sync_dist": False} if self._processes > 1 else {}
         for call in program.logs:
             if call.state is not None:
                 continue
@@ -526,7 +586,7 @@ class IPUStrategy(ParallelStrategy):
                 value = _outputs.reduce_logged(call.name, logged[call.name], call.kwargs.get("reduce_fx", "mean"))
             else:
                 value = call.constant
-            module.log(call.name, value, **call.kwargs)
+            module.log(call.name, value, **{**call.kwargs, **synced})
 
     # --- checkpoints -------------------------------------------------------------------------
     def _weights_to_host(self) -> None:

@@ -259,6 +259,12 @@ class _CombinedBatchSampler(Sampler[list[int]]):
         self.count = count
         self.drop_last = drop_last
 
+    @property
+    def sampler(self):
+        """The batch sampler's own sampler, where frameworks look for ``set_epoch`` (Lightning
+        sets a ``DistributedSampler``'s epoch there)."""
+        return getattr(self.batch_sampler, "sampler", None)
+
     def __iter__(self) -> Iterator[list[int]]:
         combined: list[int] = []
         taken = 0

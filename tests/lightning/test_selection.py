@@ -86,7 +86,7 @@ def test_devices_that_are_no_power_of_two_are_accepted_when_auto_rounding_is_ask
 @pytest.mark.parametrize("flags, message", [
     (dict(accelerator="ipu", strategy="ddp"), "accelerator='ipu' runs with lightning_ipu.IPUStrategy"),
     (dict(accelerator="cpu", strategy=IPUStrategy()), "IPUStrategy runs on the IPU accelerator"),
-    (dict(accelerator="ipu", num_nodes=2), "one host process"),
+    (dict(accelerator="ipu", num_nodes=2), "runs one process per node.*1 process\\(es\\) were started"),
 ])
 def test_conflicting_flags_are_clear_errors(flags, message):
     with pytest.raises(MisconfigurationException, match=message):
