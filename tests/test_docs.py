@@ -18,8 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [
     "index.html", "getting-started.html", "lightning.html", "poptorch-compatibility.html", "emulation.html",
-    "performance.html", "reports.html", "limitations.html", "architecture.html", "api/ipu_backend.html",
-    "api/lightning_ipu.html",
+    "performance.html", "scaling-out.html", "reports.html", "limitations.html", "architecture.html",
+    "api/ipu_backend.html", "api/lightning_ipu.html",
 ]
 
 
