@@ -14,15 +14,16 @@ host serves the coordinator.
 
 The launcher forwards SIGINT and SIGTERM to every instance; when an instance fails, it stops the
 others (SIGTERM, then SIGKILL after ``--kill-timeout`` seconds) and exits with the failed
-instance's status, so a run never outlives its first failure. An instance on another host that
+instance's status, so a run never outlives its first failure; should the launcher itself die, its
+instances get SIGTERM. An instance on another host that
 dies is noticed by the survivors' collectives at once, or by JAX's coordination service after
 ``--heartbeat-timeout`` seconds.
 """
 
 import argparse
-import ctypes
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -36,7 +37,16 @@ from ipu_backend.distributed import environment
 POLL_SECONDS = 0.05
 SLURM_PORT_BASE = 20000
 """Under ``srun`` the coordinator listens on this port plus the job id modulo 10000."""
-_PR_SET_PDEATHSIG = 1
+_EXEC_WITH_DEATH_SIGNAL = """import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)      # PR_SET_PDEATHSIG (Linux)
+except (OSError, AttributeError):
+    pass
+os.execvp(sys.argv[1], sys.argv[1:])
+"""
+"""What an instance starts as: it asks to get SIGTERM when the launcher dies, then becomes the
+program. (Done in the child's own interpreter: the launcher may hold JAX's threads, so it forks
+nothing that runs Python.)"""
 
 
 @dataclass(frozen=True)
@@ -169,14 +179,6 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, list[str]]:
     return this, others
 
 
-def _die_with_parent() -> None:
-    """In the child, before it runs the program: SIGTERM it when the launcher dies (Linux)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-
-
 def _copy_tagged(stream, tag: bytes, out) -> None:
     for line in iter(stream.readline, b""):
         out.buffer.write(tag + line)
@@ -201,15 +203,11 @@ class _Run:
         self.stop_signal: int | None = None
         self.processes: dict[int, subprocess.Popen] = {}
         pipe = subprocess.PIPE if tag_output else None
-        try:
-            for local_index, index in enumerate(plan.instances):
-                env = {**os.environ, **plan.environment(index, local_index)}
-                self.processes[index] = subprocess.Popen(command, env=env, stdout=pipe, stderr=pipe,
-                                                         process_group=0, preexec_fn=_die_with_parent)
-        except OSError:
-            self._signal_all(signal.SIGKILL)
-            raise
-        if tag_output:          # threads only once every instance is started (preexec_fn forks)
+        for local_index, index in enumerate(plan.instances):
+            env = {**os.environ, **plan.environment(index, local_index)}
+            self.processes[index] = subprocess.Popen([sys.executable, "-c", _EXEC_WITH_DEATH_SIGNAL, *command],
+                                                     env=env, stdout=pipe, stderr=pipe, process_group=0)
+        if tag_output:
             for index, process in self.processes.items():
                 for stream, out in ((process.stdout, sys.stdout), (process.stderr, sys.stderr)):
                     threading.Thread(target=_copy_tagged, args=(stream, f"[{index}] ".encode(), out),
@@ -270,11 +268,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     for host_command in others:
         print(f"ipu-run: start the other hosts' instances with: {host_command}", file=sys.stderr, flush=True)
-    try:
-        run = _Run(command, this, args.tag_output, args.kill_timeout)
-    except OSError as error:
-        print(f"ipu-run: cannot start {command[0]!r}: {error}", file=sys.stderr, flush=True)
+    if shutil.which(command[0]) is None:
+        print(f"ipu-run: cannot start {command[0]!r}: no such program", file=sys.stderr, flush=True)
         return 127
+    run = _Run(command, this, args.tag_output, args.kill_timeout)
     previous = {s: signal.signal(s, run.forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return run.wait()

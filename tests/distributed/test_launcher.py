@@ -148,3 +148,37 @@ def test_module_and_console_script_run_the_launcher(tmp_path):
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert sorted(os.listdir(tmp_path)) == ["0", "1"]
+
+
+def test_a_missing_program_is_named(capfd):
+    assert launcher.main(["--num-instances", "2", "--", "no-such-program-here"]) == 127
+    assert "cannot start 'no-such-program-here': no such program" in capfd.readouterr().err
+
+
+def test_instances_die_with_the_launcher(tmp_path):
+    """The launcher killed outright (no chance to stop anyone): its instances get SIGTERM."""
+    program = ("import os, sys, time; open(sys.argv[1] + '/' + os.environ['POPDIST_REPLICA_INDEX_OFFSET'], 'w')"
+               ".write(str(os.getpid())); time.sleep(60)")
+    run = subprocess.Popen([sys.executable, "-c", "import sys; from ipu_backend.distributed import launcher; "
+                            "sys.exit(launcher.main(sys.argv[1:]))", "--num-instances", "2", "--",
+                            sys.executable, "-c", program, str(tmp_path)],
+                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 120
+    while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids = [int((tmp_path / name).read_text()) for name in ("0", "1")]
+    run.kill()
+    run.wait()
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting to be reaped does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
