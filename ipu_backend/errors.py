@@ -15,3 +15,8 @@ class RecoverableError(Error):
 class UnrecoverableError(Error):
     """PopTorch's error after which the device cannot be used again. Emulated IPUs never fail this
     way; the class exists so that handlers of it keep working."""
+
+
+class IndexOutOfRange(Error, IndexError):
+    """An index input outside the rows it selects: an ``IndexError`` as torch raises, and an
+    ``Error``."""

@@ -2,7 +2,8 @@
 
 JAX runs in its default 32-bit mode: torch's int64 is carried as int32 and float64 as float32
 on the device, and converted back at the host boundary. That keeps programs fast on every
-backend and leaves the user's global JAX configuration alone.
+backend and leaves the user's global JAX configuration alone. An int64 value that int32 cannot
+hold is refused where it crosses to the device (:func:`check_int32_range`), never wrapped.
 """
 
 import jax.numpy as jnp
@@ -35,18 +36,35 @@ def jax_dtype(dtype: torch.dtype):
                     f"{sorted(str(d) for d in _TORCH_TO_JAX)}") from None
 
 
-def to_jax(tensor: torch.Tensor):
-    """Copy a torch tensor to a JAX array of its device dtype."""
-    return jnp.asarray(_numpy(tensor), dtype=jax_dtype(tensor.dtype))
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 
 
-def to_host_array(tensor: torch.Tensor) -> np.ndarray:
+def check_int32_range(values, what: str) -> None:
+    """Refuse int64 ``values`` (a tensor or numpy array) that int32, their device dtype, cannot
+    hold: converting would wrap them. ``what`` names the tensor in the error."""
+    if values.dtype not in (torch.int64, np.int64) or 0 in values.shape:
+        return
+    low, high = int(values.min()), int(values.max())
+    if low < INT32_MIN or high > INT32_MAX:
+        bad = high if high > INT32_MAX else low
+        raise Error(f"{what} holds the int64 value {bad}, outside the int32 range in which the device "
+                    f"carries int64 ([{INT32_MIN}, {INT32_MAX}]): it would wrap. Keep integer inputs, "
+                    "weights and buffers within that range (re-map large ids to a smaller range)")
+
+
+def to_jax(tensor: torch.Tensor, what: str = "a tensor"):
+    """Copy a torch tensor to a JAX array of its device dtype (``what`` names it in an error)."""
+    return jnp.asarray(_numpy(tensor, what), dtype=jax_dtype(tensor.dtype))
+
+
+def to_host_array(tensor: torch.Tensor, what: str = "a tensor") -> np.ndarray:
     """A torch tensor as a numpy array of its device dtype (host data to stack before a copy)."""
-    return np.asarray(_numpy(tensor), dtype=jax_dtype(tensor.dtype))
+    return np.asarray(_numpy(tensor, what), dtype=jax_dtype(tensor.dtype))
 
 
-def _numpy(tensor: torch.Tensor) -> np.ndarray:
+def _numpy(tensor: torch.Tensor, what: str) -> np.ndarray:
     tensor = tensor.detach()
+    check_int32_range(tensor, what)
     if tensor.dtype == torch.bfloat16:
         return tensor.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return tensor.cpu().numpy()

@@ -138,7 +138,11 @@ def _lower(ctx: LoweringContext, args, kwargs):
     rule = registry.lookup(ctx.node.target)
     if rule is None:
         raise Error(f"{ctx.node.target} has no lowering (called from {ctx.location()})")
-    result = rule(ctx, *args, **kwargs)
+    try:
+        result = rule(ctx, *args, **kwargs)
+    except OverflowError as error:
+        raise Error(f"{ctx.node.target} at {ctx.location()}: {error}. The device carries int64 as "
+                    "int32: keep integer constants within [-2**31, 2**31 - 1]") from error
     return _match_torch(result, ctx.out, ctx)
 
 

@@ -29,6 +29,46 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class IndexInput:
+    """A user input that is, through views only, the indices of an embedding of ``rows`` rows.
+    torch checks such indices as it runs; a compiled program cannot, so the host checks this
+    input before each call."""
+
+    position: int
+    """The input's position among the call's flattened inputs (tensors and constants)."""
+    rows: int
+    location: str
+
+
+_INDEX_VIEWS = frozenset({
+    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+    torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.default, torch.ops.aten.squeeze.dim,
+    torch.ops.aten.squeeze.dims, torch.ops.aten.clone.default, torch.ops.aten.permute.default,
+    torch.ops.aten.t.default, torch.ops.aten.slice.Tensor, torch.ops.aten.select.int,
+    torch.ops.aten.expand.default, torch.ops.aten.alias.default, torch.ops.aten._to_copy.default,
+})
+"""Ops that pass index values through unchanged (``_to_copy`` only between integer dtypes)."""
+
+
+def _index_inputs(graph_module: torch.fx.GraphModule, user_inputs: dict) -> tuple[IndexInput, ...]:
+    """The embeddings whose indices come straight from a user input (``user_inputs``: placeholder
+    node -> its position among the inputs)."""
+    found = []
+    for node in graph_module.graph.nodes:
+        if node.target is not torch.ops.aten.embedding.default:
+            continue
+        source = node.args[1]
+        while (isinstance(source, torch.fx.Node) and source.target in _INDEX_VIEWS
+               and not source.meta["val"].is_floating_point()):
+            source = source.args[0]
+        if source in user_inputs:
+            rows = node.args[0].meta["val"].shape[0]
+            found.append(IndexInput(user_inputs[source], int(rows),
+                                    user_location(node.meta.get("stack_trace")) or "unknown source line"))
+    return tuple(found)
+
+
+@dataclass(frozen=True)
 class Program:
     """``fn(params, buffers, inputs, rng_key) -> (outputs, new_buffers)``, pure and jittable.
 
@@ -51,6 +91,7 @@ class Program:
     mutated_inputs: tuple[int, ...] = ()
     stacks: tuple[layer_loops.Stack, ...] = ()
     """Parameters that ``params`` may hold stacked, one array per stack (see ``layer_loops.Stack``)."""
+    index_inputs: tuple[IndexInput, ...] = ()
 
     @property
     def num_mutations(self) -> int:
@@ -204,12 +245,15 @@ def _build(module, exported, prefix: str, logs: tuple | None) -> Program:
     signature = exported.graph_signature
     strip = lambda target: target[len(prefix):]  # noqa: E731
     inputs = []
-    for spec in signature.input_specs:
+    placeholders = [node for node in exported.graph_module.graph.nodes if node.op == "placeholder"]
+    user_inputs = {}
+    for spec, node in zip(signature.input_specs, placeholders):
         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
             inputs.append((spec.kind, strip(spec.target)))
         elif spec.kind == InputKind.CONSTANT_TENSOR:
-            inputs.append((spec.kind, to_jax(exported.constants[spec.target])))
+            inputs.append((spec.kind, to_jax(exported.constants[spec.target], f"the constant tensor {spec.target}")))
         elif spec.kind == InputKind.USER_INPUT:
+            user_inputs[node] = len(user_inputs)
             inputs.append((spec.kind, None))
         else:
             raise Error(f"graph input {spec.arg.name} of kind {spec.kind.name} is not supported")
@@ -282,4 +326,5 @@ def _build(module, exported, prefix: str, logs: tuple | None) -> Program:
         graph_module=graph_module,
         mutated_inputs=tuple(mutated_inputs),
         stacks=stacks,
+        index_inputs=_index_inputs(graph_module, user_inputs),
     )

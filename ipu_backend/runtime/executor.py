@@ -30,7 +30,7 @@ from ipu_backend.runtime.module_repr import module_repr
 from ipu_backend.runtime.multi_ipu import MultiIpuProgram
 from ipu_backend.runtime.multi_ipu_builder import build
 from ipu_backend.runtime.optimizers import needs_running_mean, optimizer_rule
-from ipu_backend.runtime.outputs import host_inputs, inputs_to_device
+from ipu_backend.runtime.outputs import check_index_inputs, host_inputs, inputs_to_device
 from ipu_backend.runtime.packing import Packing, stacks_for_optimizer
 from ipu_backend.runtime.recording import SINGLE_IPU
 from ipu_backend.runtime.schedule import Schedule
@@ -132,6 +132,8 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         self._profiler.started()
         groups = self._param_groups()
         compiled = self._compile(args, groups)
+        if compiled.program.index_inputs:
+            check_index_inputs(args, compiled.program.index_inputs)
         if not self._attached:
             self.attachToDevice()
         call_args = self._call_arguments(compiled, args, groups,

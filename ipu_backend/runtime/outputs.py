@@ -5,7 +5,8 @@ import torch
 from jax.sharding import PartitionSpec as P
 
 from ipu_backend.compiler import jax_dtype, to_torch
-from ipu_backend.compiler.dtypes import to_jax
+from ipu_backend.compiler.dtypes import check_int32_range, to_jax
+from ipu_backend.errors import IndexOutOfRange
 from ipu_backend.runtime import processes
 from ipu_backend.runtime.devices import REPLICA
 from ipu_backend.runtime.schedule import Schedule, split_batch
@@ -15,12 +16,30 @@ def host_inputs(args: tuple, schedule: Schedule) -> list:
     """The tensor leaves of ``args`` as host arrays of their device dtype, split to
     ``[D, A, R, m, ...]``. A compiled call takes them as they are and copies each onto the
     replica mesh as its input sharding says, one copy cheaper than placing them first."""
-    def split(x):
-        host = np.asarray(to_jax(x)) if x.dtype == torch.bfloat16 else \
-            x.detach().cpu().numpy().astype(jax_dtype(x.dtype), copy=False)
-        return split_batch(host, schedule)
+    def split(index, x):
+        if x.dtype == torch.bfloat16:
+            return split_batch(np.asarray(to_jax(x)), schedule)
+        host = x.detach().cpu().numpy()
+        if x.dtype == torch.int64:
+            check_int32_range(host, f"input tensor {index} of the call (counting tensors in argument order)")
+        return split_batch(host.astype(jax_dtype(x.dtype), copy=False), schedule)
 
-    return [split(x) for x in torch.utils._pytree.tree_leaves(tuple(args)) if isinstance(x, torch.Tensor)]
+    tensors = [x for x in torch.utils._pytree.tree_leaves(tuple(args)) if isinstance(x, torch.Tensor)]
+    return [split(index, x) for index, x in enumerate(tensors)]
+
+
+def check_index_inputs(args: tuple, index_inputs: tuple) -> None:
+    """The checks torch makes on embedding indices as it runs, made on the host before a call
+    for the inputs that are such indices (``Program.index_inputs``)."""
+    leaves = torch.utils._pytree.tree_leaves(tuple(args))
+    for index_input in index_inputs:
+        values = leaves[index_input.position]
+        if values.numel() and (int(values.min()) < 0 or int(values.max()) >= index_input.rows):
+            bad = int(values.min()) if int(values.min()) < 0 else int(values.max())
+            raise IndexOutOfRange(
+                f"index out of range in self: the call's input {index_input.position} (in argument "
+                f"order) holds the index {bad}, but the embedding at {index_input.location} has "
+                f"{index_input.rows} rows (indices 0 to {index_input.rows - 1})")
 
 
 def inputs_to_device(args: tuple, schedule: Schedule, mesh) -> list:

@@ -45,10 +45,10 @@ class WeightStore:
         """The module's current values become the device's (``copyWeightsToDevice``), parameters
         laid out as ``packing`` says (stacked on the host, before the copy)."""
         self.host_stale = False
-        host = {n: to_host_array(p) for n, p in torch.nn.Module.named_parameters(self.module)}
+        host = {n: to_host_array(p, f"parameter {n}") for n, p in torch.nn.Module.named_parameters(self.module)}
         self.params = jax.device_put(packing.pack_host(host))
         self.packing = packing
-        self.buffers = {n: to_jax(b) for n, b in torch.nn.Module.named_buffers(self.module)}
+        self.buffers = {n: to_jax(b, f"buffer {n}") for n, b in torch.nn.Module.named_buffers(self.module)}
 
     def load_buffers_from_host(self, names) -> None:
         """The module's current values of the buffers ``names`` become the device's

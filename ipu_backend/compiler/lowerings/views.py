@@ -272,8 +272,11 @@ def masked_scatter(ctx, x, mask, source):
 @lowering(aten.embedding.default)
 def embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     """Rows of ``weight``. As torch, rows looked up at ``padding_idx`` pass no gradient, and
-    with ``scale_grad_by_freq`` each row's gradient is divided by its count in ``indices``."""
-    rows = jnp.take(weight, indices, axis=0)
+    with ``scale_grad_by_freq`` each row's gradient is divided by its count in ``indices``. An
+    index outside ``[0, rows)``, negative ones included, gives a row of NaN (torch raises; the
+    host checks the indices that are inputs of the call before it, see ``Program.index_inputs``)."""
+    outside = jnp.where(indices < 0, weight.shape[0], indices)
+    rows = jnp.take(weight, outside, axis=0, mode="fill")
     if scale_grad_by_freq:
         counts = jnp.zeros(weight.shape[0], weight.dtype).at[indices].add(1)
         scale = (1 / counts[indices])[..., None]
