@@ -96,7 +96,7 @@ def _as_options(value: Any, name: str) -> ipu_backend.Options | None:
 def _default_seed() -> int:
     """``seed_everything``'s seed, else torch's initial seed: the device's random numbers then
     follow the same seeding as the host's."""
-    return int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed())) % 2**31
+    return int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed()))
 
 
 def _check_replicas(replicas: int, auto_round: bool, where: str) -> None:

@@ -24,6 +24,7 @@ from ipu_backend.runtime import compilation_cache, host_idle, memory, perf_count
 from ipu_backend.runtime.devices import replica_mesh
 from ipu_backend.runtime.outputs import output_to_host
 from ipu_backend.runtime.packing import Packing
+from ipu_backend.runtime.random_state import seed_key
 from ipu_backend.runtime.recording import NullRecorder, ProgramFacts, StageFacts
 from ipu_backend.runtime.schedule import Schedule
 from ipu_backend.runtime.settings import RunSettings
@@ -226,7 +227,7 @@ class Executor:
         torch.manual_seed makes runs repeatable); made once, on the replica mesh. A program folds
         in the call's index (:meth:`_next_call_index`)."""
         if self._key is None:
-            key = jax.random.key_data(jax.random.key(self._seed))
+            key = jax.random.key_data(seed_key(self._seed))
             self._key = jax.random.wrap_key_data(processes.replicated(key, self._mesh()))
         return self._key
 
