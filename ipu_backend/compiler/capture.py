@@ -14,7 +14,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ipu_backend.compiler import containers, float32_precision, hints, loops, metric_states
 from ipu_backend.compiler.lowerings import attention
-from ipu_backend.compiler.sources import traceback_location
+from ipu_backend.compiler.sources import is_library_file, traceback_location
 from ipu_backend.errors import Error
 
 
@@ -157,6 +157,13 @@ def export(module: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram
             "traced once, so Python control flow cannot depend on tensor data. Use torch.where "
             "for element-wise choices, or torch.cond(pred, true_fn, false_fn, operands) to "
             "branch (it lowers to lax.cond).") from error
+    except Error:
+        raise
+    except (RuntimeError, TypeError, ValueError, IndexError) as error:
+        where = traceback_location(error.__traceback__)
+        if where is None or _raised_by_user_code(error.__traceback__):
+            raise
+        raise Error(f"{error}\n(while capturing the program, at {where})") from error
     finally:
         hook.remove()
     exported = decompose_to_core_aten(exported)
@@ -164,6 +171,14 @@ def export(module: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram
     hints.check_multi_convs(exported.graph_module)
     exported.graph_module.meta[FLOAT32_PRECISION_KEY] = precision
     return exported
+
+
+def _raised_by_user_code(tb) -> bool:
+    """Whether the innermost frame of ``tb`` is the user's: their own exception, which already
+    points at their line, passes through unchanged."""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return not is_library_file(tb.tb_frame.f_code.co_filename)
 
 
 def decompose_to_core_aten(exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

@@ -28,7 +28,7 @@ from ipu_backend.runtime.lifecycle import (
 from ipu_backend.runtime.loss import find_loss
 from ipu_backend.runtime.module_repr import module_repr
 from ipu_backend.runtime.multi_ipu import MultiIpuProgram
-from ipu_backend.runtime.multi_ipu_builder import build
+from ipu_backend.runtime.multi_ipu_builder import build, check_ipu_count
 from ipu_backend.runtime.optimizers import needs_running_mean, optimizer_rule
 from ipu_backend.runtime.outputs import check_index_inputs, host_inputs, inputs_to_device
 from ipu_backend.runtime.packing import Packing, stacks_for_optimizer
@@ -467,6 +467,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             multi = self._split_program(micro, schedule, program, rule, loss_index)
             if multi is not None:
                 return CompiledStep(multi, program, multi.layout, dtypes, log_dtypes, (multi.rule,), multi_ipu=True)
+        check_ipu_count(schedule.replicas, self._settings.auto_round_num_ipus)
         if not self._training:
             return CompiledStep(inference_call(forward, schedule, mesh, layout, totals), program, layout, dtypes,
                                 log_dtypes, packing=Packing(program.stacks))

@@ -173,6 +173,34 @@ def test_data_dependent_branch_explains_and_points_to_torch_cond():
     assert "torch.cond" in message and re.search(r"branches on the value of a tensor", message)
 
 
+def test_shape_mistake_names_the_shapes_and_the_user_line():
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.linear(x)  # shape-line
+
+    x = torch.randn(2, 5)
+    with pytest.raises(RuntimeError):
+        Head()(x)
+    with pytest.raises(Error) as info:       # a RuntimeError too, as torch's
+        compile_module(Head(), (x,))
+    message = str(info.value)
+    assert "[2, 5] X [4, 2]" in message
+    assert f"{THIS_FILE}:{line_of(THIS_FILE, '# shape-line')}" in message
+
+
+def test_users_own_exception_passes_through_capture_unchanged():
+    class Checked(torch.nn.Module):
+        def forward(self, x):
+            raise ValueError("my own check")
+
+    with pytest.raises(ValueError, match="^my own check$"):
+        compile_module(Checked(), (torch.randn(3),))
+
+
 class Gated(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -148,6 +148,23 @@ def test_replication_equals_the_large_batch_torch_step(replicas):
     assert_params_equal(ipu, reference)
 
 
+def test_replica_count_must_be_a_power_of_two_unless_rounded():
+    """PopTorch reserves IPUs in powers of two: 3 replicas is its error, or its warning and 4
+    reserved IPUs with ``autoRoundNumIPUs``, the numbers those of 3 replicas."""
+    torch.manual_seed(2)
+    reference = Regression()
+    ipu = copy.deepcopy(reference)
+    x, y = data(4 * 3)
+    torch_steps(reference, [(x, y)])
+    with pytest.raises(poptorch.Error, match=r"use of 3 IPUs.*autoRoundNumIPUs"):
+        poptorch.trainingModel(ipu, poptorch.Options().replicationFactor(3))(x, y)
+    opts = poptorch.Options().replicationFactor(3).autoRoundNumIPUs(True)
+    model = poptorch.trainingModel(ipu, opts, torch.optim.SGD(ipu.parameters(), lr=0.05))
+    with pytest.warns(UserWarning, match="Reserving 4 IPUs"):
+        model(x, y)
+    assert_params_equal(ipu, reference)
+
+
 @pytest.mark.parametrize("mode", list(poptorch.OutputMode))
 def test_inference_output_modes_match_popTorch_shapes_and_values(mode):
     torch.manual_seed(3)
