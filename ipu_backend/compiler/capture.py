@@ -138,18 +138,18 @@ they were at capture (a :class:`~ipu_backend.compiler.float32_precision.Float32P
 program's products are traced with them."""
 
 
-def export(module: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram:
+def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> torch.export.ExportedProgram:
     """torch.export (non-strict) decomposed to core ATen, ``poptorch.for_loop`` bodies outlined,
     with errors a user can act on, and torch's float32 precision settings recorded on the graph
     module."""
     precision = float32_precision.torch_setting()
-    containers.register(args)
+    containers.register((args, kwargs))
     # The module's results may hold container subclasses too: registered as it returns them.
     hook = module.register_forward_hook(lambda _, __, result: containers.register(result))
     try:
         # preserve_node_meta keeps torch.fx.traceback.annotate(...) tags (pipeline blocks) on nodes.
         with torch.fx.traceback.preserve_node_meta(), _capture_scope():
-            exported = torch.export.export(module, tuple(args), strict=False)
+            exported = torch.export.export(module, tuple(args), kwargs or None, strict=False)
     except GuardOnDataDependentSymNode as error:
         where = traceback_location(error.__traceback__) or "unknown source line"
         raise Error(

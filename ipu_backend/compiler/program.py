@@ -2,7 +2,7 @@
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import torch
@@ -68,6 +68,14 @@ def _index_inputs(graph_module: torch.fx.GraphModule, user_inputs: dict) -> tupl
     return tuple(found)
 
 
+def _carries_gradient(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s value can carry a gradient: floating point (or holding some)."""
+    value = node.meta.get("val")
+    values = value if isinstance(value, (tuple, list)) else [value]
+    return node.op == "get_attr" or any(
+        isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in values)
+
+
 @dataclass(frozen=True)
 class Program:
     """``fn(params, buffers, inputs, rng_key) -> (outputs, new_buffers)``, pure and jittable.
@@ -92,6 +100,31 @@ class Program:
     stacks: tuple[layer_loops.Stack, ...] = ()
     """Parameters that ``params`` may hold stacked, one array per stack (see ``layer_loops.Stack``)."""
     index_inputs: tuple[IndexInput, ...] = ()
+    param_placeholders: dict = field(default_factory=dict)
+    """Placeholder node name -> the parameter it reads."""
+    aliases: dict = field(default_factory=dict)
+    """Other names of tied parameters and buffers -> the name the program reads them under."""
+    keywords: tuple[str, ...] = ()
+    """The names under which the last inputs are passed by keyword."""
+
+    def parameters_with_gradient(self, node: torch.fx.Node) -> frozenset[str]:
+        """The parameters whose values reach ``node`` through floating-point values and no
+        ``detach``: those to which autograd gives a gradient of ``node`` (torch leaves the
+        others' ``.grad`` None, and its optimizers skip them)."""
+        reached, stack, seen = set(), [node], {node}
+        while stack:
+            current = stack.pop()
+            if current.op == "placeholder":
+                if current.name in self.param_placeholders:
+                    reached.add(self.param_placeholders[current.name])
+                continue
+            if current.target is torch.ops.aten.detach.default:
+                continue
+            for source in current.all_input_nodes:
+                if source not in seen and _carries_gradient(source):
+                    seen.add(source)
+                    stack.append(source)
+        return frozenset(reached)
 
     @property
     def num_mutations(self) -> int:
@@ -146,8 +179,9 @@ class Program:
 
 
 def compile_module(module: torch.nn.Module, example_args: tuple, method: str | None = None,
-                   loop_repeated_layers: bool = True) -> Program:
+                   loop_repeated_layers: bool = True, keywords: tuple[str, ...] = ()) -> Program:
     """Capture ``module(*example_args)`` (or ``module.<method>(*example_args)``) as a Program.
+    The last ``len(keywords)`` arguments are passed by keyword, under those names.
 
     ``loop_repeated_layers``: runs of structurally identical layers (``repeated_layers``) are
     captured once and lowered as one loop over their stacked weights, so that capture, tracing
@@ -156,7 +190,7 @@ def compile_module(module: torch.nn.Module, example_args: tuple, method: str | N
     target = module if method is None else capture.StepCall(module, method)
     runs = repeated_layers.repeated_runs(module) if loop_repeated_layers else []
     start = time.time()
-    exported, templates = _capture(target, tuple(example_args), runs)
+    exported, templates = _capture(target, *split_keywords(tuple(example_args), keywords), runs)
     end = time.time()
     jax.monitoring.record_event_duration_secs(CAPTURE_EVENT, end - start)
     jax.monitoring.record_event_time_span(CAPTURE_EVENT, start, end)
@@ -167,18 +201,24 @@ def compile_module(module: torch.nn.Module, example_args: tuple, method: str | N
             node.meta[layer_calls.TEMPLATE_KEY] = templates[node.args[2]]
     layer_loops.loop_layer_chains(graph_module)
     if method is None:
-        return _build(module, exported, "", None)
-    return _build(module, exported, "module.", tuple(target.recorder.calls))
+        return _build(module, exported, "", None, keywords)
+    return _build(module, exported, "module.", tuple(target.recorder.calls), keywords)
 
 
-def _capture(target: torch.nn.Module, args: tuple, runs: list) -> tuple:
-    """The export of ``target(*args)`` with the layers of ``runs`` standing in as calls, and the
-    template of each distinct call; a run whose layers cannot stand in is captured inline."""
+def split_keywords(inputs: tuple, keywords: tuple[str, ...]) -> tuple[tuple, dict]:
+    """``inputs`` whose last ``len(keywords)`` values go by keyword -> ``(args, kwargs)``."""
+    count = len(inputs) - len(keywords)
+    return tuple(inputs[:count]), dict(zip(keywords, inputs[count:]))
+
+
+def _capture(target: torch.nn.Module, args: tuple, kwargs: dict, runs: list) -> tuple:
+    """The export of ``target(*args, **kwargs)`` with the layers of ``runs`` standing in as calls,
+    and the template of each distinct call; a run whose layers cannot stand in is captured inline."""
     while True:
         stand_ins = layer_calls.StandIns(runs)
         try:
             with stand_ins.installed():
-                exported = capture.export(target, args)
+                exported = capture.export(target, args, kwargs)
             templates = [layer_calls.capture_template(call, _template_program) for call in stand_ins.calls]
         except layer_calls.NotRepeatable as refusal:
             runs = [run for index, run in enumerate(runs) if index != refusal.run]
@@ -238,18 +278,33 @@ def _check_reassigned_buffers(exported, prefix: str) -> None:
                     f"{list(old.shape)}; a new value of the buffer's dtype and shape is accepted.)")
 
 
-def _build(module, exported, prefix: str, logs: tuple | None) -> Program:
+def canonical_names(module: torch.nn.Module) -> dict[str, str]:
+    """Each parameter and buffer name of ``module`` -> the name ``named_parameters()`` /
+    ``named_buffers()`` give its tensor. Tied weights (``head.weight = emb.weight``) have several
+    names and one tensor: the program reads it under the one name, so its gradients add up."""
+    first, names = {}, {}
+    for name, tensor in [*module.named_parameters(remove_duplicate=False),
+                         *module.named_buffers(remove_duplicate=False)]:
+        names[name] = first.setdefault(id(tensor), name)
+    return names
+
+
+def _build(module, exported, prefix: str, logs: tuple | None, keywords: tuple[str, ...] = ()) -> Program:
     """The Program of ``exported`` (a capture of ``module``, its weights named with ``prefix``);
     ``logs``: the ``self.log`` calls of a step method, whose outputs are ``(result, logged
     values)``, or None for a forward."""
     signature = exported.graph_signature
-    strip = lambda target: target[len(prefix):]  # noqa: E731
+    canonical = canonical_names(module)
+    strip = lambda target: canonical.get(target[len(prefix):], target[len(prefix):])  # noqa: E731
     inputs = []
     placeholders = [node for node in exported.graph_module.graph.nodes if node.op == "placeholder"]
     user_inputs = {}
+    param_placeholders = {}
     for spec, node in zip(signature.input_specs, placeholders):
         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
             inputs.append((spec.kind, strip(spec.target)))
+            if spec.kind == InputKind.PARAMETER:
+                param_placeholders[node.name] = strip(spec.target)
         elif spec.kind == InputKind.CONSTANT_TENSOR:
             inputs.append((spec.kind, to_jax(exported.constants[spec.target], f"the constant tensor {spec.target}")))
         elif spec.kind == InputKind.USER_INPUT:
@@ -284,7 +339,7 @@ def _build(module, exported, prefix: str, logs: tuple | None) -> Program:
     log_names = [call.name for call in logs or () if call.is_tensor]
 
     def logged_fn(params, buffers, user_inputs, rng_key):
-        leaves, spec = torch_pytree.tree_flatten((tuple(user_inputs), {}))
+        leaves, spec = torch_pytree.tree_flatten(split_keywords(tuple(user_inputs), keywords))
         if spec != in_spec:
             raise Error(f"inputs have structure {spec}, the program was compiled for {in_spec}")
         leaves = iter(leaves)
@@ -327,4 +382,7 @@ def _build(module, exported, prefix: str, logs: tuple | None) -> Program:
         mutated_inputs=tuple(mutated_inputs),
         stacks=stacks,
         index_inputs=_index_inputs(graph_module, user_inputs),
+        param_placeholders=param_placeholders,
+        keywords=tuple(keywords),
+        aliases={alias: name for alias, name in canonical.items() if alias != name},
     )

@@ -25,7 +25,8 @@ from ipu_backend.runtime.lifecycle import (
     input_signature,
     optimizer_state,
 )
-from ipu_backend.runtime.loss import find_loss
+from ipu_backend.runtime.loss import find_loss, parameters_without_gradient
+from ipu_backend.runtime.module_modes import capture_modes
 from ipu_backend.runtime.module_repr import module_repr
 from ipu_backend.runtime.multi_ipu import MultiIpuProgram
 from ipu_backend.runtime.multi_ipu_builder import build, check_ipu_count
@@ -56,7 +57,7 @@ def _param_group_values(optimizer) -> tuple:
     """Everything an optimizer rule reads from ``optimizer``: its kind, and each param group's
     parameters and values. Equal values give equal hyper-parameters and the same rule match."""
     return (type(optimizer),) + tuple(
-        (tuple(id(p) for p in group["params"]),
+        (tuple((id(p), p.requires_grad) for p in group["params"]),
          tuple((k, _plain(v)) for k, v in group.items() if k != "params"))
         for group in optimizer.param_groups)
 
@@ -128,10 +129,10 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         return getattr(self._user_model, name)
 
     def __call__(self, *args, **kwargs):
-        args = self._bind(args, kwargs)
+        args, keywords = self._bind(args, kwargs)
         self._profiler.started()
         groups = self._param_groups()
-        compiled = self._compile(args, groups)
+        compiled = self._compile(args, groups, keywords)
         if compiled.program.index_inputs:
             check_index_inputs(args, compiled.program.index_inputs)
         if not self._attached:
@@ -143,10 +144,10 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
 
     def compile(self, *args, **kwargs) -> None:
         """Compile for these inputs without running (PopTorch's ``compile``)."""
-        args = self._bind(args, kwargs)
+        args, keywords = self._bind(args, kwargs)
         self._profiler.started()
         groups = self._param_groups()
-        compiled = self._compile(args, groups)
+        compiled = self._compile(args, groups, keywords)
         self._ensure_executable(compiled, self._call_arguments(compiled, args, groups, advance=False),
                                 self._offloads_optimizer_state(compiled))
 
@@ -340,26 +341,33 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         if self._destroyed:
             raise Error(NO_EXECUTABLE)
 
-    def _bind(self, args, kwargs) -> tuple:
+    def _bind(self, args, kwargs) -> tuple[tuple, tuple]:
+        """The call's arguments as Python binds them to ``forward``: ``(inputs, keywords)``, the
+        inputs being the positional arguments (parameters given by keyword included, defaults
+        filled in) followed by the values of the ``keywords`` (keyword-only and ``**kwargs``
+        arguments), which the program receives by keyword."""
         if self._destroyed:
             raise Error("this model was destroyed; create a new trainingModel/inferenceModel")
         if not kwargs:
-            return tuple(args)
-        bound = inspect.signature(self._user_model.forward).bind(*args, **kwargs)
+            return tuple(args), ()
+        try:
+            bound = inspect.signature(self._user_model.forward).bind(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"{type(self._user_model).__name__}.forward(): {error}") from None
         bound.apply_defaults()
-        return tuple(bound.args)
+        return tuple(bound.args) + tuple(bound.kwargs.values()), tuple(bound.kwargs)
 
     def _param_groups(self) -> tuple | None:
         """:func:`_param_group_values` of the optimizer (None without one), read once a call."""
         return None if self._optimizer is None else _param_group_values(self._optimizer)
 
-    def _cache_key(self, args: tuple, groups: tuple | None) -> tuple:
+    def _cache_key(self, args: tuple, groups: tuple | None, keywords: tuple) -> tuple:
         structure = None if groups is None else (groups[0],) + tuple(group[0] for group in groups[1:])
         return (self._training, self._step_method, self._settings.key, structure, self._gradient_clipping,
-                float32_precision.program_key(), input_signature(args))
+                float32_precision.program_key(), input_signature(args), keywords)
 
-    def _compile(self, args: tuple, groups: tuple | None) -> CompiledStep:
-        signature = self._cache_key(args, groups)
+    def _compile(self, args: tuple, groups: tuple | None, keywords: tuple = ()) -> CompiledStep:
+        signature = self._cache_key(args, groups, keywords)
         compiled = self._compiled.get(signature) or _PROGRAMS.setdefault(self._user_model, {}).get(signature)
         if compiled is not None and (compiled.rule is None or self._rule_matches(compiled.rule, groups)):
             self._compiled[signature] = compiled
@@ -373,7 +381,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         schedule = self._schedule()
         micro = first_micro_batch(args, schedule)
         started = time.perf_counter()
-        compiled = self._build(micro, schedule)
+        compiled = self._build(micro, schedule, keywords)
         compiled.started, compiled.inputs = started, serialization.input_specs(args)
         self._compiled[signature] = _PROGRAMS[self._user_model][signature] = compiled
         return compiled
@@ -432,17 +440,15 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             self._hyper = cached = (rule, values, hyper)
         return cached[2]
 
-    def _build(self, micro: tuple, schedule: Schedule) -> CompiledStep:
+    def _build(self, micro: tuple, schedule: Schedule, keywords: tuple = ()) -> CompiledStep:
         model = self._user_model
-        was_training = model.training
-        model.train(self._training)
         self._store.sync_to_host()
         compile_hooks.run(compile_hooks.PRE_COMPILE)
         try:
-            program = compile_module(model, micro, method=self._step_method,
-                                     loop_repeated_layers=self._options.loop_repeated_layers)
+            with capture_modes(model, self._training, self._step_method):
+                program = compile_module(model, micro, method=self._step_method, keywords=keywords,
+                                         loop_repeated_layers=self._options.loop_repeated_layers)
         finally:
-            model.train(was_training)
             compile_hooks.run(compile_hooks.POST_COMPILE)
         layout = OutputLayout()
         mesh = self._mesh()
@@ -458,7 +464,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         log_dtypes = program.logged_dtypes()
         totals = totals_of(program.logs)
         log_dtypes.update({name + TOTAL_SUFFIX: log_dtypes[name] for name in totals})
-        rule, loss_index = self._rule_and_loss(program)
+        rule, loss_index, without_gradient = self._rule_and_loss(program)
         names = {id(p): n for n, p in torch.nn.Module.named_parameters(model)}
         if has_blocks(program.graph_module) and schedule.processes > 1:
             raise Error("a model split over IPUs (BeginBlock, Block, Stage) runs in one process: several "
@@ -471,21 +477,24 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         if not self._training:
             return CompiledStep(inference_call(forward, schedule, mesh, layout, totals), program, layout, dtypes,
                                 log_dtypes, packing=Packing(program.stacks))
-        packing = Packing(stacks_for_optimizer(program.stacks, self._optimizer, names))
-        rule = optimizer_rule(self._optimizer, names, packing.stacks)
+        packing = Packing(stacks_for_optimizer(program.stacks, self._optimizer, names, without_gradient))
+        rule = optimizer_rule(self._optimizer, names, packing.stacks, without_gradient)
         if self._gradient_clipping is not None:
             rule = self._gradient_clipping.wrap(rule)
         call = training_call(forward, loss_index, rule, schedule, mesh, layout, totals)
         return CompiledStep(call, program, layout, dtypes, log_dtypes, (rule,), packing=packing)
 
     def _rule_and_loss(self, program) -> tuple:
-        """The optimizer's update rule and the index of the loss among ``program``'s array results
-        (None, None for inference)."""
+        """The optimizer's update rule, the index of the loss among ``program``'s array results and
+        the parameters the loss gives no gradient (None, None, empty for inference)."""
         if not self._training:
-            return None, None
-        rule = optimizer_rule(self._optimizer, {id(p): n for n, p in
-                                                torch.nn.Module.named_parameters(self._user_model)})
-        return rule, find_loss(program, step_method=self._step_method is not None)
+            return None, None, frozenset()
+        model = self._user_model
+        loss_index = find_loss(program, step_method=self._step_method is not None)
+        without_gradient = parameters_without_gradient(program, loss_index, model)
+        rule = optimizer_rule(self._optimizer, {id(p): n for n, p in torch.nn.Module.named_parameters(model)},
+                              without_gradient=without_gradient)
+        return rule, loss_index, without_gradient
 
     def _split_program(self, micro: tuple, schedule: Schedule, program, rule, loss_index):
         """The program of a model with blocks split over IPUs (None when it all runs on IPU 0)."""

@@ -1,4 +1,5 @@
-"""Which of a training program's results is the loss the optimizer minimises."""
+"""Which of a training program's results is the loss the optimizer minimises, and which
+parameters it gives gradients to."""
 
 import torch
 import torch.utils._pytree as torch_pytree
@@ -65,3 +66,11 @@ def find_loss(program, step_method: bool = False) -> int:
                     "with poptorch.identity_loss")
     raise Error(f"the model returns {len(scalars)} scalar outputs, so which one is the loss is "
                 "ambiguous: mark the loss with poptorch.identity_loss(loss, reduction='none')")
+
+
+def parameters_without_gradient(program, loss_index: int, model: torch.nn.Module) -> frozenset[str]:
+    """The parameters torch leaves without ``.grad`` after the loss's backward pass, and its
+    optimizers skip: frozen (``requires_grad=False``) or not used by the loss."""
+    reached = program.parameters_with_gradient(program.result_arrays()[loss_index])
+    return frozenset(name for name, p in torch.nn.Module.named_parameters(model)
+                     if not p.requires_grad or name not in reached)

@@ -56,6 +56,7 @@ from ipu_backend.errors import Error
 from ipu_backend.runtime.clipping import GradientClipping
 from ipu_backend.runtime.devices import REPLICA
 from ipu_backend.runtime.lifecycle import CompiledStep, Executor, first_micro_batch, input_signature, optimizer_state
+from ipu_backend.runtime.module_modes import capture_modes
 from ipu_backend.runtime.optimizers import optimizer_rule
 from ipu_backend.runtime.outputs import inputs_to_device
 from ipu_backend.runtime.recording import BACKWARD, MANUAL, UPDATE
@@ -272,13 +273,11 @@ class ManualStepExecutor(Executor):
             return result, list(events.losses)
 
         object.__setattr__(model, _STEP_ATTRIBUTE, step)
-        was_training = model.training
-        model.train(True)
         try:
-            return compile_module(model, micro if versions is None else (*micro, versions), method=_STEP_ATTRIBUTE,
-                                  loop_repeated_layers=self._options.loop_repeated_layers)
+            with capture_modes(model, True, self._step_method):
+                return compile_module(model, micro if versions is None else (*micro, versions),
+                                      method=_STEP_ATTRIBUTE, loop_repeated_layers=self._options.loop_repeated_layers)
         finally:
-            model.train(was_training)
             object.__delattr__(model, _STEP_ATTRIBUTE)
 
     def _build(self, args: tuple) -> CompiledStep:

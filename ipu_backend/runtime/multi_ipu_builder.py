@@ -12,11 +12,13 @@ import torch.utils._pytree as torch_pytree
 
 from ipu_backend.compiler import capture
 from ipu_backend.compiler.dtypes import jax_dtype
+from ipu_backend.compiler.program import split_keywords
 from ipu_backend.errors import Error
 from ipu_backend.runtime import memory
 from ipu_backend.runtime.clipping import GradientClipping
 from ipu_backend.runtime.devices import ipu_devices
 from ipu_backend.runtime.memory import tree_bytes
+from ipu_backend.runtime.module_modes import capture_modes
 from ipu_backend.runtime.multi_ipu import MultiIpuProgram
 from ipu_backend.runtime.schedule import Schedule, stashed_micro_batches
 from ipu_backend.runtime.settings import UNSUPPORTED_STAGING, RunSettings, Staging
@@ -75,14 +77,10 @@ def check_metric_states(program, schedule: Schedule) -> None:
                     "returns all outputs (validation/test), or use their functional forms")
 
 
-def _export(model, micro: tuple, training: bool, method: str | None):
+def _export(model, micro: tuple, training: bool, method: str | None, keywords: tuple = ()):
     target = model if method is None else capture.StepCall(model, method)
-    was_training = model.training
-    model.train(training)
-    try:
-        return capture.export(target, micro)
-    finally:
-        model.train(was_training)
+    with capture_modes(model, training, method):
+        return capture.export(target, *split_keywords(micro, keywords))
 
 
 def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, settings: RunSettings,
@@ -99,8 +97,8 @@ def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, set
     sources = sources_from_program(program, prefix)
     graph_module = program.graph_module
     if sources is None:          # lifted constants: their values come from a capture of our own
-        exported = _export(model, micro, training, method)
-        sources, graph_module = sources_from_export(exported, prefix), exported.graph_module
+        exported = _export(model, micro, training, method, program.keywords)
+        sources, graph_module = sources_from_export(exported, prefix, program.aliases), exported.graph_module
     part = partition(graph_module, sources, program.mutated_buffers, program.output_spec, staging)
     if len(part.stages) == 1 and part.stages[0].ipu == 0:
         return None

@@ -105,21 +105,26 @@ class OptimizerRule:
 
     ``param_names`` maps ``id(parameter) -> name`` (``{id(p): n for n, p in
     module.named_parameters()}``): the optimizer's groups are resolved to names once, here.
-    Parameters the optimizer does not hold pass through ``update`` unchanged.
+    Parameters the optimizer does not hold pass through ``update`` unchanged, and so do those
+    in ``without_gradient``, which torch's step skips because their ``.grad`` is None (frozen
+    with ``requires_grad=False``, or not used by the loss): ``names`` are the others, the
+    parameters ``update`` takes gradients for.
     """
 
     algorithm = ""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, param_names: Mapping[int, str], stacks=()):
+    def __init__(self, optimizer: torch.optim.Optimizer, param_names: Mapping[int, str], stacks=(),
+                 without_gradient: frozenset = frozenset()):
         self.member_groups = self._group_names(optimizer, param_names)
         """The parameters of each group by name, as the torch optimizer holds them."""
         self.stacked = {stack.key: stack.members for stack in stacks}
         """Stack key -> its members: parameters updated as one array stacked on a leading axis
         (a loop's layers, see ``ipu_backend.compiler.layer_loops.Stack``), each member with a step
-        count of its own."""
+        count of its own. No member is in ``without_gradient``."""
         self._member_of = {name: (stack.key, index) for stack in stacks for index, name in enumerate(stack.members)}
         self.groups = self._stacked_groups(self.member_groups)
-        self.names = tuple(name for names in self.groups for name in names)
+        self.without_gradient = frozenset(without_gradient)
+        self.names = tuple(name for names in self.groups for name in names if name not in self.without_gradient)
         self._param_ids = self._ids(optimizer)
         self._options, self._group_options = self._static(optimizer)
         self.accum_dtype = _state_dtype(optimizer, "accum_type")
@@ -181,6 +186,9 @@ class OptimizerRule:
                 return new_param.astype(param.dtype), new_slots
 
             for name in names:
+                if name in self.without_gradient:
+                    new_state[name] = state[name]
+                    continue
                 update = jax.vmap(step_one) if name in self.stacked else step_one
                 new_params[name], new_state[name] = update(params[name], grads[name], state[name])
         return new_params, new_state
@@ -588,13 +596,15 @@ def _rule_class(optimizer: torch.optim.Optimizer) -> type[OptimizerRule]:
                 "poptorch.optim.LAMB")
 
 
-def optimizer_rule(optimizer: torch.optim.Optimizer, param_names: Mapping[int, str], stacks=()) -> OptimizerRule:
+def optimizer_rule(optimizer: torch.optim.Optimizer, param_names: Mapping[int, str], stacks=(),
+                   without_gradient: frozenset = frozenset()) -> OptimizerRule:
     """The update rule of ``optimizer`` (torch's SGD, Adam, AdamW, RMSprop or ours, LAMB too),
     ``param_names`` mapping ``id(parameter) -> name``; the members of each of ``stacks`` are
-    updated as one stacked array under its key (each within one param group). An optimizer that
+    updated as one stacked array under its key (each within one param group); the parameters
+    ``without_gradient`` are left as they are (see :class:`OptimizerRule`). An optimizer that
     keeps the names (PopTorch's ``ipu_state``/``ipu_param`` entries name parameters) is told them
     through ``_record_param_names``."""
-    rule = _rule_class(optimizer)(optimizer, param_names, stacks)
+    rule = _rule_class(optimizer)(optimizer, param_names, stacks, without_gradient)
     record = getattr(optimizer, "_record_param_names", None)
     if record is not None:
         record(param_names)

@@ -157,27 +157,31 @@ def sources_from_program(program, prefix: str = "") -> dict[str, tuple] | None:
         if node.op != "placeholder":
             continue
         target = getattr(node.meta.get("desc"), "target", None)
+        name = None if target is None else program.aliases.get(target[len(prefix):], target[len(prefix):])
         if target is None:
             sources[node.name] = ("input", user_index)
             user_index += 1
-        elif target[len(prefix):] in params:
-            sources[node.name] = ("param", target[len(prefix):])
-        elif target[len(prefix):] in buffers:
-            sources[node.name] = ("buffer", target[len(prefix):])
+        elif name in params:
+            sources[node.name] = ("param", name)
+        elif name in buffers:
+            sources[node.name] = ("buffer", name)
         else:
             return None
     return sources
 
 
-def sources_from_export(exported: torch.export.ExportedProgram, prefix: str = "") -> dict[str, tuple]:
-    """Where each graph input comes from, per the export's graph signature."""
+def sources_from_export(exported: torch.export.ExportedProgram, prefix: str = "",
+                        aliases: Mapping[str, str] | None = None) -> dict[str, tuple]:
+    """Where each graph input comes from, per the export's graph signature (tied weights under
+    the name ``aliases`` maps their other names to)."""
+    aliases = aliases or {}
     placeholders = [n for n in exported.graph_module.graph.nodes if n.op == "placeholder"]
     sources, user_index = {}, 0
     for spec, node in zip(exported.graph_signature.input_specs, placeholders):
         if spec.kind == InputKind.PARAMETER:
-            sources[node.name] = ("param", spec.target[len(prefix):])
+            sources[node.name] = ("param", aliases.get(spec.target[len(prefix):], spec.target[len(prefix):]))
         elif spec.kind == InputKind.BUFFER:
-            sources[node.name] = ("buffer", spec.target[len(prefix):])
+            sources[node.name] = ("buffer", aliases.get(spec.target[len(prefix):], spec.target[len(prefix):]))
         elif spec.kind == InputKind.CONSTANT_TENSOR:
             sources[node.name] = ("constant", to_jax(exported.constants[spec.target]))
         elif spec.kind == InputKind.USER_INPUT:

@@ -328,12 +328,14 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
     scale_sum = 1 if not schedule.mean_reduction else schedule.accumulation * schedule.replicas
 
     def micro_step(params, buffers, inputs, key, loss_scale):
-        def scaled_loss(p):
-            outputs, new_buffers, logs = forward(p, buffers, inputs, key)
+        """Gradients for the parameters the optimizer updates (``rule.names``) only."""
+        def scaled_loss(trained):
+            outputs, new_buffers, logs = forward({**params, **trained}, buffers, inputs, key)
             arrays = layout.split(outputs)
             return arrays[loss_index] * loss_scale, (arrays, new_buffers, logs)
 
-        (_, aux), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
+        trained = {name: params[name] for name in rule.names}
+        (_, aux), grads = jax.value_and_grad(scaled_loss, has_aux=True)(trained)
         return grads, aux
 
     def replica_step(params, buffers, inputs, keys, loss_scale):
@@ -358,7 +360,7 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
             grads_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype).sum(0), grads_sum, grads)
             return (grads_sum, from_replica_zero(new_buffers, local, mesh.size)), (arrays, logs)
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, rule.accum_dtype), params)
+        zeros = {name: jnp.zeros(params[name].shape, rule.accum_dtype) for name in rule.names}
         indices = jnp.arange(schedule.accumulation)
         (grads_sum, buffers), ys = _loop(accumulate, (zeros, buffers), (inputs, indices), schedule.accumulation)
         grads = jax.tree.map(lambda g: g / (scale_sum * loss_scale), replica_sum(grads_sum, mesh.size))

@@ -1,0 +1,138 @@
+"""What a module says about itself is honoured as torch honours it: parameters with
+``requires_grad=False`` (or unused by the loss) are skipped by the optimizer, and each
+submodule keeps its own ``training`` flag. Against torch eager, fp32 within 1e-5 relative."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ipu_backend as poptorch
+
+RTOL, ATOL = 1e-5, 1e-6
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.05, weight_decay=0.1),
+}
+
+
+class Backbone(torch.nn.Module):
+    """PopTorch's requires_grad_test model, with an auxiliary output the loss does not use."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(5))
+        self.b = torch.nn.Parameter(torch.randn(5))
+        self.c = torch.nn.Parameter(torch.randn(5), requires_grad=False)
+        self.d = torch.nn.Parameter(torch.randn(5), requires_grad=False)
+        self.aux = torch.nn.Parameter(torch.randn(5))
+
+    def forward(self, target):
+        prediction = self.a + self.b + self.c + self.d
+        return prediction * self.aux, F.mse_loss(prediction, target)
+
+
+def assert_same_parameters(model, reference):
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL, msg=name)
+
+
+def torch_steps(model, optimizer, targets):
+    for target in targets:
+        optimizer.zero_grad()
+        model(target)[1].backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_parameters_without_gradient_never_move(optimizer):
+    """Frozen parameters (and one the loss does not use) get no ``.grad`` in torch, so its
+    optimizers skip them: no weight decay, no momentum, no state."""
+    torch.manual_seed(42)
+    model = Backbone()
+    reference = copy.deepcopy(model)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    targets = torch.randn(4, 5)
+    torch_optimizer = OPTIMIZERS[optimizer](reference.parameters())
+    torch_steps(reference, torch_optimizer, targets)
+
+    ipu_optimizer = OPTIMIZERS[optimizer](model.parameters())
+    ipu = poptorch.trainingModel(model, poptorch.Options().deviceIterations(2), ipu_optimizer)
+    for half in targets.split(2):
+        ipu(half.reshape(-1))
+    for name in ("c", "d", "aux"):
+        assert torch.equal(getattr(model, name).detach(), initial[name]), name
+    assert not torch.equal(model.a.detach(), initial["a"])
+    assert_same_parameters(model, reference)
+    assert sorted(ipu_optimizer.state_dict()["state"]) == sorted(torch_optimizer.state_dict()["state"])
+
+
+def test_unfreezing_a_parameter_trains_it_from_then_on():
+    torch.manual_seed(42)
+    model = Backbone()
+    reference = copy.deepcopy(model)
+    targets = torch.randn(2, 5)
+    torch_optimizer = OPTIMIZERS["sgd"](reference.parameters())
+    torch_steps(reference, torch_optimizer, targets[:1])
+    reference.c.requires_grad_(True)
+    torch_steps(reference, torch_optimizer, targets[1:])
+
+    ipu = poptorch.trainingModel(model, optimizer=OPTIMIZERS["sgd"](model.parameters()))
+    ipu(targets[0])
+    model.c.requires_grad_(True)
+    with pytest.warns(UserWarning, match="compiling again"):
+        ipu(targets[1])
+    assert_same_parameters(model, reference)
+
+
+class Normalized(torch.nn.Module):
+    """PopTorch's norms_test model for a BatchNorm put in eval() during training."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6)
+        self.norm = torch.nn.BatchNorm1d(6)
+        self.dropout = torch.nn.Dropout(0.5)
+
+    def forward(self, x, target):
+        y = self.dropout(self.norm(self.linear(x)))
+        return y, F.mse_loss(y, target)
+
+
+def test_submodule_in_eval_mode_stays_in_eval_mode_while_training():
+    torch.manual_seed(0)
+    model = Normalized()
+    model.norm.running_mean.uniform_(-1, 1)
+    model.norm.eval()
+    model.dropout.eval()
+    reference = copy.deepcopy(model)
+    x, target = torch.randn(16, 6), torch.randn(16, 6)
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    expected = []
+    for _ in range(2):
+        torch_optimizer.zero_grad()
+        out, loss = reference(x, target)
+        loss.backward()
+        torch_optimizer.step()
+        expected.append(out.detach())
+
+    ipu = poptorch.trainingModel(model, poptorch.Options().outputMode(poptorch.OutputMode.All),
+                                 torch.optim.SGD(model.parameters(), lr=0.1))
+    outputs = [ipu(x, target)[0] for _ in range(2)]
+    torch.testing.assert_close(torch.stack(outputs), torch.stack(expected), rtol=RTOL, atol=ATOL)
+    assert_same_parameters(model, reference)
+    torch.testing.assert_close(model.norm.running_mean, reference.norm.running_mean, rtol=0, atol=0)
+    assert model.training and not model.norm.training and not model.dropout.training
+
+
+def test_inference_model_runs_everything_in_eval_mode_and_leaves_the_flags():
+    torch.manual_seed(0)
+    model = Normalized()
+    model.linear.eval()
+    x = torch.randn(8, 6)
+    expected = copy.deepcopy(model).eval()(x, x)[0]
+    out = poptorch.inferenceModel(model)(x, x)[0]
+    torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
+    assert model.training and model.norm.training and not model.linear.training
