@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from ipu_backend.compiler import compile_module, float32_precision
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, totals_of
 from ipu_backend.errors import Error
-from ipu_backend.runtime import compile_hooks, perf_counters, processes, serialization
+from ipu_backend.runtime import compile_hooks, host_optimizer, perf_counters, processes, serialization
 from ipu_backend.runtime.lifecycle import (
     NO_EXECUTABLE,
     CompiledStep,
@@ -99,6 +99,9 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         """``(rule, param-group values, hyper-parameters on the mesh)`` of the last call."""
         self._attached = True
         self._destroyed = False
+        if training:
+            host_optimizer.watch(optimizer, self, PoplarExecutor._optimizer_states_to_host,
+                                 PoplarExecutor._optimizer_state_loaded)
 
     def _check_settings(self) -> None:
         if not self._settings.broadcast_buffers:
@@ -129,6 +132,10 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         return getattr(self._user_model, name)
 
     def __call__(self, *args, **kwargs):
+        with self._store.lock:
+            return self._call(args, kwargs)
+
+    def _call(self, args, kwargs):
         args, keywords = self._bind(args, kwargs)
         self._profiler.started()
         groups = self._param_groups()
@@ -144,12 +151,13 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
 
     def compile(self, *args, **kwargs) -> None:
         """Compile for these inputs without running (PopTorch's ``compile``)."""
-        args, keywords = self._bind(args, kwargs)
-        self._profiler.started()
-        groups = self._param_groups()
-        compiled = self._compile(args, groups, keywords)
-        self._ensure_executable(compiled, self._call_arguments(compiled, args, groups, advance=False),
-                                self._offloads_optimizer_state(compiled))
+        with self._store.lock:
+            args, keywords = self._bind(args, kwargs)
+            self._profiler.started()
+            groups = self._param_groups()
+            compiled = self._compile(args, groups, keywords)
+            self._ensure_executable(compiled, self._call_arguments(compiled, args, groups, advance=False),
+                                    self._offloads_optimizer_state(compiled))
 
     def isCompiled(self) -> bool:  # noqa: N802
         return any(c.executable is not None for c in self._compiled.values())
@@ -254,10 +262,11 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
 
     def copyWeightsToDevice(self) -> None:  # noqa: N802
         self._refuse_if_destroyed()
-        compiled = next(iter(self._compiled.values()), None)
-        self._store.load_from_host(Packing() if compiled is None else compiled.packing)
-        if self._opt_state is not None and self._schedule().master_weights:
-            self._opt_state = {**self._opt_state, "master": master_copy(self._store.params)}
+        with self._store.lock:
+            compiled = next(iter(self._compiled.values()), None)
+            self._store.load_from_host(Packing() if compiled is None else compiled.packing)
+            if self._opt_state is not None and self._schedule().master_weights:
+                self._opt_state = {**self._opt_state, "master": master_copy(self._store.params)}
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """The wrapped model's ``load_state_dict``, then its weights go to the device (as PopTorch
@@ -281,6 +290,11 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             self._options = self._options.for_model(optimizer)
             self._settings = self._options.runtime_settings()
         old = self._optimizer
+        if optimizer is not old:
+            self._optimizer_states_to_host()
+            host_optimizer.release(old)
+            host_optimizer.watch(optimizer, self, PoplarExecutor._optimizer_states_to_host,
+                                 PoplarExecutor._optimizer_state_loaded)
         self._optimizer = optimizer
         compiled = next(iter(self._compiled.values()), None)
         if type(old) is not type(optimizer) or (compiled is not None and not compiled.rule.matches(optimizer)):
@@ -310,6 +324,8 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
     def destroy(self) -> None:
         """Release the device: weights reach the host and the module gets its own class back."""
         super().destroy()
+        if self._optimizer is not None:
+            host_optimizer.release(self._optimizer)
         self._destroyed = True
 
     def loss_scale(self) -> float | None:
@@ -322,6 +338,19 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
 
     def _torch_optimizers(self) -> list:
         return [self._optimizer]
+
+    def _optimizer_state_loaded(self) -> None:
+        """The torch optimizer's state was loaded on the host: the next call starts from it."""
+        with self._store.lock:
+            self._opt_state = None
+            self._opt_states_on_host = True
+
+    def _host_weights_loaded(self, names: set) -> None:
+        """Float32 master copies of weights written on the host follow them."""
+        if self._opt_state is not None and self._schedule().master_weights:
+            master = self._opt_state["master"]
+            fresh = master_copy({n: self._store.params[n] for n in names if n in master})
+            self._opt_state = {**self._opt_state, "master": {**master, **fresh}}
 
     def _device_optimizer_states(self) -> tuple | None:
         if self._opt_state is None:
@@ -398,6 +427,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         inputs = inputs_to_device(args, schedule, mesh) if place_inputs else host_inputs(args, schedule)
         key = self._base_key()
         index = np.uint32(self._next_call_index() if advance else 0)
+        self._start()
         params, buffers = self._store.device_state(compiled.packing)
         state = {"params": params, "buffers": buffers}
         if self._training:

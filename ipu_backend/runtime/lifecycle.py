@@ -165,10 +165,15 @@ class Executor:
         """Options.randomSeed, else drawn from torch's generator; over several processes, process 0's."""
         self._key = None
         self._calls_made = 0
+        self._started = False
+        """Whether a call (or ``compile``) has run: the first starts from the module's host state."""
+        self._opt_states_on_host = True
+        """Whether the torch optimizers' ``state`` holds what the device's optimizer state holds."""
         self._schedule_value = self._make_schedule()
         self._mesh_value = None
         if training:
             self._store.on_host_sync.append(self._optimizer_states_to_host)
+            self._store.on_host_load.append(self._host_weights_loaded)
         compilation_cache.configure(self._settings.executable_cache_dir)
         self._profiler = recorder if recorder is not None else NullRecorder()
         """Where the executor reports its compilations and calls."""
@@ -211,6 +216,9 @@ class Executor:
 
     def _keep(self, compiled: CompiledStep, state: dict) -> None:
         """Keep what a call returned besides the weights (optimizer state, loss scale...)."""
+
+    def _host_weights_loaded(self, names: set) -> None:
+        """Host writes to the weights ``names`` reached the device (see ``weights.py``)."""
 
     # --- the shared steps ------------------------------------------------------------------
     def _schedule(self) -> Schedule:
@@ -286,6 +294,7 @@ class Executor:
         launched = perf_counters.now()
         self._profiler.computed(state, arrays, logs)
         self._keep(compiled, state)
+        self._opt_states_on_host = not self._training
         self._store.update(state["params"], state["buffers"], compiled.packing)
         self.last_program = compiled.program
         host_idle.run_queued()
@@ -302,10 +311,19 @@ class Executor:
 
     def _optimizer_states_to_host(self) -> None:
         """The optimizer state on the device, written into the torch optimizers (when the host
-        reads the weights)."""
-        compiled = next(iter(self._compiled.values()), None)
-        states = self._device_optimizer_states()
-        if states is None or compiled is None:
-            return
-        for rule, state, optimizer in zip(compiled.rules, jax.device_get(states), self._torch_optimizers()):
-            rule.state_to_torch(state, optimizer)
+        reads the weights, or an optimizer's ``state_dict``), unless it is there already."""
+        with self._store.lock:
+            compiled = next(iter(self._compiled.values()), None)
+            states = self._device_optimizer_states()
+            if states is None or compiled is None or self._opt_states_on_host:
+                return
+            for rule, state, optimizer in zip(compiled.rules, jax.device_get(states), self._torch_optimizers()):
+                rule.state_to_torch(state, optimizer)
+            self._opt_states_on_host = True
+
+    def _start(self) -> None:
+        """At the first call (or ``compile``): a new executor starts from the module's current
+        host weights and buffers, host writes included (see ``weights.py``)."""
+        if not self._started:
+            self._started = True
+            self._store.load_from_host()

@@ -193,11 +193,16 @@ class ManualStepExecutor(Executor):
                         "in the training step (several manual_backward calls before a step)")
 
     def __call__(self, *args):
+        with self._store.lock:
+            return self._call(args)
+
+    def _call(self, args: tuple):
         self._profiler.started()
         compiled = self._compile(tuple(args))
         schedule = self._schedule()
         mesh = self._mesh()
         inputs = inputs_to_device(args, schedule, mesh)
+        self._start()
         params, buffers = self._store.device_state()
         hypers = self._hyperparameters(compiled, schedule.device_iterations)
         if self._opt_states is None:

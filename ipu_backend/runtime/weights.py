@@ -3,8 +3,21 @@
 As in PopTorch, after a training call the user's module shows the device's weights the moment it
 is touched (parameters, buffers, ``state_dict``, a forward call): the module's class is swapped
 for a subclass whose accessors copy the weights back first, and only when they changed.
+
+A host write (seen by a tensor's version counter and identity: ``load_state_dict``, in-place
+updates under ``torch.no_grad()``, a new tensor assigned; a write through ``.data`` bypasses the
+version counter and is not seen) is never overwritten by device state computed before it: copying
+the device's weights back skips the tensors written since the device's last update. A new
+executor starts from the host's weights and buffers (:meth:`WeightStore.load_from_host` at its
+first call). An existing one keeps PopTorch's rule: host edits reach it through
+``copyWeightsToDevice``; its next call otherwise runs from the device's weights, which then
+replace the edits.
+
+Calls and copies of one module's weights hold its store's lock, so executors sharing them may be
+called from several threads: one call at a time, every update kept.
 """
 
+import threading
 import weakref
 
 import jax
@@ -16,6 +29,10 @@ from ipu_backend.errors import Error
 from ipu_backend.runtime.packing import Packing
 
 _STORES: "weakref.WeakKeyDictionary[torch.nn.Module, WeightStore]" = weakref.WeakKeyDictionary()
+
+
+def _host_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*torch.nn.Module.named_parameters(module), *torch.nn.Module.named_buffers(module)]
 
 
 class WeightStore:
@@ -31,6 +48,12 @@ class WeightStore:
         self.host_stale = False        # the device has weights the module does not show yet
         self.on_host_sync = []         # callbacks run after weights reach the host (optimizer state)
         self.executors = weakref.WeakSet()   # the executors using these weights (``module.destroy()``)
+        self.on_host_load = []         # callbacks run with the names of the host writes loaded
+        self.lock = threading.RLock()
+        """Held by every call and copy of these weights: one at a time, from any thread."""
+        self._agreed: dict[str, tuple] = {}
+        """name -> (tensor, version, data pointer) as of the device's last update, for each
+        host tensor that then held the device's value."""
 
     def device_state(self, packing: Packing = Packing()) -> tuple[dict, dict]:
         """The weights for the next device call, parameters laid out as ``packing`` says, read
@@ -43,44 +66,74 @@ class WeightStore:
 
     def load_from_host(self, packing: Packing = Packing()) -> None:
         """The module's current values become the device's (``copyWeightsToDevice``), parameters
-        laid out as ``packing`` says (stacked on the host, before the copy)."""
-        self.host_stale = False
-        host = {n: to_host_array(p, f"parameter {n}") for n, p in torch.nn.Module.named_parameters(self.module)}
-        self.params = jax.device_put(packing.pack_host(host))
-        self.packing = packing
-        self.buffers = {n: to_jax(b, f"buffer {n}") for n, b in torch.nn.Module.named_buffers(self.module)}
+        laid out as ``packing`` says (stacked on the host, before the copy). Tensors the host did
+        not write are first brought up to date, so nothing the device computed is lost."""
+        with self.lock:
+            self.sync_to_host()
+            written = self.host_writes()
+            tensors = _host_tensors(self.module)
+            params = {n for n, _ in torch.nn.Module.named_parameters(self.module)}
+            host = {n: to_host_array(t, f"parameter {n}") for n, t in tensors if n in params}
+            self.params = jax.device_put(packing.pack_host(host))
+            self.packing = packing
+            self.buffers = {n: to_jax(t, f"buffer {n}") for n, t in tensors if n not in params}
+            self._agree(tensors)
+            for callback in self.on_host_load:
+                callback(written)
 
     def load_buffers_from_host(self, names) -> None:
         """The module's current values of the buffers ``names`` become the device's
         (``copyNamedBuffersToDevice``); the device keeps its other weights."""
-        self.device_state()
-        host = dict(torch.nn.Module.named_buffers(self.module))
-        unknown = [name for name in names if name not in host]
-        if unknown:
-            raise Error(f"updatableNamedBuffers names buffers the model does not have: {unknown}")
-        self.buffers = {**self.buffers, **{name: to_jax(host[name]) for name in names}}
+        with self.lock:
+            self.device_state(self.packing)
+            host = dict(torch.nn.Module.named_buffers(self.module))
+            unknown = [name for name in names if name not in host]
+            if unknown:
+                raise Error(f"updatableNamedBuffers names buffers the model does not have: {unknown}")
+            self.buffers = {**self.buffers, **{name: to_jax(host[name], f"buffer {name}") for name in names}}
+            self._agree((name, host[name]) for name in names)
 
     def update(self, params: dict, buffers: dict, packing: Packing = Packing()) -> None:
         """New weights computed on the device (parameters laid out as ``packing`` says); the host
-        copy is refreshed lazily."""
+        copy is refreshed lazily. Host writes made before this call, which ran without them,
+        count as seen: copying back overwrites them."""
         self.params, self.buffers, self.packing = params, buffers, packing
         self.host_stale = True
+        self._agreed = {name: (tensor, tensor._version, tensor.data_ptr())
+                        for name, (tensor, _, _) in self._agreed.items()}
+
+    def host_writes(self) -> set[str]:
+        """The host tensors written since the device's last update (or never loaded)."""
+        return {name for name, tensor in _host_tensors(self.module) if not self._agrees(name, tensor)}
 
     def sync_to_host(self) -> None:
-        """Write the device's weights into the module's tensors, in place (``copyWeightsToHost``)."""
-        if not self.host_stale:
-            return
-        self.host_stale = False
-        host = jax.device_get((self.params, self.buffers))
-        host = (self.packing.unpack_host(host[0]), host[1])
-        with torch.no_grad():
-            for source, named in ((host[0], torch.nn.Module.named_parameters(self.module)),
-                                  (host[1], torch.nn.Module.named_buffers(self.module))):
-                for name, tensor in named:
-                    if name in source:
-                        tensor.copy_(to_torch(source[name], tensor.dtype))
-        for callback in self.on_host_sync:
-            callback()
+        """Write the device's weights into the module's tensors, in place (``copyWeightsToHost``),
+        except those the host wrote since the device's last update."""
+        with self.lock:
+            if not self.host_stale:
+                return
+            self.host_stale = False
+            host = jax.device_get((self.params, self.buffers))
+            host = (self.packing.unpack_host(host[0]), host[1])
+            copied = []
+            with torch.no_grad():
+                for source, named in ((host[0], torch.nn.Module.named_parameters(self.module)),
+                                      (host[1], torch.nn.Module.named_buffers(self.module))):
+                    for name, tensor in named:
+                        if name in source and self._agrees(name, tensor):
+                            tensor.copy_(to_torch(source[name], tensor.dtype))
+                            copied.append((name, tensor))
+            self._agree(copied)
+            for callback in self.on_host_sync:
+                callback()
+
+    def _agrees(self, name: str, tensor: torch.Tensor) -> bool:
+        agreed = self._agreed.get(name)
+        return (agreed is not None and agreed[0] is tensor and agreed[1] == tensor._version
+                and agreed[2] == tensor.data_ptr())
+
+    def _agree(self, tensors) -> None:
+        self._agreed.update((name, (tensor, tensor._version, tensor.data_ptr())) for name, tensor in tensors)
 
 
 def weight_store(module: torch.nn.Module) -> WeightStore:

@@ -1,0 +1,152 @@
+"""Device state and the host's view of it: a new executor starts from the module's current host
+weights and buffers, a host write is never overwritten by device state computed before it, an
+existing executor keeps PopTorch's rule (``copyWeightsToDevice`` after host edits), and reading an
+optimizer's ``state_dict()`` gives the device's state. Against torch eager, fp32 within 1e-5."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ipu_backend as poptorch
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(4)
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x, y=None):
+        out = self.linear(self.norm(x))
+        return out if y is None else (out, F.mse_loss(out, y))
+
+
+OPTIMIZERS = {
+    "torch.optim.Adam": lambda params: torch.optim.Adam(params, lr=0.05),
+    "poptorch.optim.AdamW": lambda params: poptorch.optim.AdamW(params, lr=0.05, weight_decay=0.1),
+    "torch.optim.SGD": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+}
+
+
+def data(steps=3):
+    generator = torch.Generator().manual_seed(3)
+    return torch.randn(steps, 8, 4, generator=generator), torch.randn(steps, 8, 3, generator=generator)
+
+
+def torch_steps(model, optimizer, xs, ys):
+    model.train()
+    for x, y in zip(xs, ys):
+        optimizer.zero_grad()
+        model(x, y)[1].backward()
+        optimizer.step()
+
+
+def assert_same_state(model, reference):
+    for (name, value), (_, expected) in zip(model.state_dict().items(), reference.state_dict().items()):
+        torch.testing.assert_close(value, expected, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def trained(optimizer="torch.optim.Adam"):
+    """A module trained for 3 steps on the device, its optimizer, and torch's twins of both."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    xs, ys = data()
+    torch_optimizer = OPTIMIZERS[optimizer](reference.parameters())
+    torch_steps(reference, torch_optimizer, xs, ys)
+    ipu_optimizer = OPTIMIZERS[optimizer](model.parameters())
+    ipu = poptorch.trainingModel(model, poptorch.Options().deviceIterations(3), ipu_optimizer)
+    ipu(xs.reshape(-1, 4), ys.reshape(-1, 3))
+    return model, ipu, ipu_optimizer, reference, torch_optimizer
+
+
+def test_new_executor_starts_from_weights_loaded_on_the_host():
+    torch.manual_seed(1)
+    saved = Net().state_dict()
+    model, *_ = trained()
+    model.load_state_dict(saved)
+    x = torch.randn(8, 4)
+    expected = copy.deepcopy(model).eval()(x)
+    torch.testing.assert_close(poptorch.inferenceModel(model)(x), expected, rtol=RTOL, atol=ATOL)
+    for name, value in model.state_dict().items():     # the module does not snap back
+        assert torch.equal(value, saved[name]), name
+
+
+def test_new_executor_starts_from_buffers_reset_on_the_host():
+    model, *_ = trained()
+    model.norm.reset_running_stats()
+    x = torch.randn(8, 4)
+    expected = copy.deepcopy(model).eval()(x)
+    torch.testing.assert_close(poptorch.inferenceModel(model)(x), expected, rtol=RTOL, atol=ATOL)
+    assert torch.equal(model.norm.running_var, torch.ones(4))
+
+
+def test_host_write_survives_reading_the_module_before_copy_to_device():
+    model, _, _, reference, _ = trained()
+    edited = {name: value * 2 for name, value in reference.state_dict().items()}
+    model.load_state_dict(edited)          # straight after a call: the device holds newer weights
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, edited[name]), name
+
+
+def test_existing_executor_keeps_poptorchs_rule():
+    """Host edits reach an existing executor through copyWeightsToDevice; without it the next
+    call runs from the device's weights, which then replace the host's."""
+    model, ipu, _, reference, torch_optimizer = trained("torch.optim.SGD")
+    continued = copy.deepcopy(reference)
+    continued_optimizer = OPTIMIZERS["torch.optim.SGD"](continued.parameters())
+    continued_optimizer.load_state_dict(torch_optimizer.state_dict())
+    xs, ys = data()
+    torch_steps(continued, continued_optimizer, xs, ys)
+
+    with torch.no_grad():
+        model.linear.weight.zero_()
+    ipu(xs.reshape(-1, 4), ys.reshape(-1, 3))
+    assert_same_state(model, continued)
+
+    with torch.no_grad():
+        model.linear.weight.zero_()
+        continued.linear.weight.zero_()
+    ipu.copyWeightsToDevice()
+    torch_steps(continued, continued_optimizer, xs, ys)
+    ipu(xs.reshape(-1, 4), ys.reshape(-1, 3))
+    assert_same_state(model, continued)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_optimizer_state_dict_read_first_is_the_devices(optimizer, tmp_path):
+    model, _, ipu_optimizer, reference, torch_optimizer = trained(optimizer)
+    torch.save({"opt": ipu_optimizer.state_dict(), "model": model.state_dict()}, tmp_path / "checkpoint.pt")
+    saved = torch.load(tmp_path / "checkpoint.pt")
+    expected = torch_optimizer.state_dict()
+    assert sorted(saved["opt"]["state"]) == sorted(expected["state"])
+    for index, slots in expected["state"].items():
+        assert sorted(saved["opt"]["state"][index]) == sorted(slots)
+        for slot, value in slots.items():
+            torch.testing.assert_close(saved["opt"]["state"][index][slot], value, rtol=RTOL, atol=ATOL,
+                                       msg=f"{index}.{slot}")
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(saved["model"][name], value, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_optimizer_state_loaded_on_the_host_reaches_the_device():
+    """Resuming from a checkpoint into a live executor: the optimizer's loaded state, and the
+    module's weights once copied to the device, are what the next call starts from."""
+    model, ipu, ipu_optimizer, reference, torch_optimizer = trained()
+    checkpoint = copy.deepcopy({"opt": torch_optimizer.state_dict(), "model": reference.state_dict()})
+    xs, ys = data()
+    ipu(xs.reshape(-1, 4), ys.reshape(-1, 3))          # moves on from the checkpoint
+    torch_steps(reference, torch_optimizer, xs, ys)
+
+    ipu_optimizer.load_state_dict(checkpoint["opt"])
+    ipu.load_state_dict(checkpoint["model"])
+    ipu(xs.reshape(-1, 4), ys.reshape(-1, 3))
+    assert_same_state(model, reference)
+    for index, slots in torch_optimizer.state_dict()["state"].items():
+        for slot, value in slots.items():
+            torch.testing.assert_close(ipu_optimizer.state_dict()["state"][index][slot], value,
+                                       rtol=RTOL, atol=ATOL)
