@@ -82,6 +82,9 @@ from .precision import IPUPrecision
 
 _HOST_TRANSFER_HOOKS = ("transfer_batch_to_device", "on_after_batch_transfer")
 _MISSING = object()
+RANDOM_STATE_KEY = "ipu_random_state"
+"""Checkpoint entry holding each compiled step's random state (``rng_state``: seed and calls
+made), so a resumed run draws the random numbers (dropout masks) of the uninterrupted one."""
 
 
 def _as_options(value: Any, name: str) -> ipu_backend.Options | None:
@@ -159,6 +162,8 @@ class IPUStrategy(ParallelStrategy):
         self._accumulate_grad_batches: int | None = None
         self._num_nodes = 1
         self._rank, self._processes = 0, 1
+        self._restored_random_states: dict[str, list[int]] = {}
+        """Random states read from the checkpoint being resumed, for the steps not compiled yet."""
 
     # --- processes: one per node, each driving `devices` replicas ----------------------------
     @property
@@ -417,6 +422,7 @@ class IPUStrategy(ParallelStrategy):
             executor.destroy()
         self._executors = {}
         self.poptorch_models = {}
+        self._restored_random_states = {}
         if self._accumulate_grad_batches is not None:
             self._trainer.accumulate_grad_batches = self._accumulate_grad_batches
             self._accumulate_grad_batches = None
@@ -471,6 +477,7 @@ class IPUStrategy(ParallelStrategy):
         executor = self._executor(method)
         factor = _data.micro_batches_per_call(executor.options)
         args = self._with_batch_index(method, args, factor)
+        self._restore_random_state(method, executor, args)
         try:
             result = executor(*args)
         except StopIteration as error:   # would silently end Lightning's loop
@@ -495,6 +502,16 @@ class IPUStrategy(ParallelStrategy):
                 gradient_clipping=self._gradient_clipping if training else None)
             self._executors[method] = executor
         return executor
+
+    def _restore_random_state(self, method: str, executor, args: tuple) -> None:
+        """A resumed run's random state for ``method``'s steps, set before its first call (a
+        step executor's ``rng_state``, as PopTorch's, needs the model compiled first)."""
+        state = self._restored_random_states.pop(method, None)
+        if state is None:
+            return
+        if isinstance(executor, PoplarExecutor):
+            executor.compile(*args)
+        executor.rng_state = state
 
     # --- manual optimization ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -597,6 +614,20 @@ class IPUStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._weights_to_host()
         return super().lightning_module_state_dict()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        """The checkpoint with each compiled step's random state (:data:`RANDOM_STATE_KEY`)."""
+        checkpoint[RANDOM_STATE_KEY] = {**self._restored_random_states,
+                                        **{method: executor.rng_state for method, executor in self._executors.items()}}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint; its random states continue in the steps compiled from now on."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._restored_random_states = dict(checkpoint.get(RANDOM_STATE_KEY, {}))
+        return checkpoint
 
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:

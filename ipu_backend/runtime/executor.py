@@ -33,6 +33,7 @@ from ipu_backend.runtime.multi_ipu_builder import build, check_ipu_count
 from ipu_backend.runtime.optimizers import needs_running_mean, optimizer_rule
 from ipu_backend.runtime.outputs import check_index_inputs, host_inputs, inputs_to_device
 from ipu_backend.runtime.packing import Packing, stacks_for_optimizer
+from ipu_backend.runtime.random_state import restore_random_state
 from ipu_backend.runtime.recording import SINGLE_IPU
 from ipu_backend.runtime.schedule import Schedule
 from ipu_backend.runtime.stages import has_blocks
@@ -254,10 +255,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
     def rng_state(self, state: list[int]) -> None:
         if not self.isCompiled():
             raise Error(NO_EXECUTABLE)
-        if (not isinstance(state, (list, tuple)) or len(state) != 2
-                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in state)):
-            raise Error(f"rng_state must be [seed, calls made] as rng_state returns it, got {state!r}")
-        self._seed, self._calls_made = int(state[0]), int(state[1])
+        self._seed, self._calls_made = restore_random_state(state)
         self._key = None
 
     def copyWeightsToDevice(self) -> None:  # noqa: N802

@@ -59,6 +59,7 @@ from ipu_backend.runtime.lifecycle import CompiledStep, Executor, first_micro_ba
 from ipu_backend.runtime.module_modes import capture_modes
 from ipu_backend.runtime.optimizers import optimizer_rule
 from ipu_backend.runtime.outputs import inputs_to_device
+from ipu_backend.runtime.random_state import restore_random_state
 from ipu_backend.runtime.recording import BACKWARD, MANUAL, UPDATE
 from ipu_backend.runtime.schedule import Schedule
 from ipu_backend.runtime.step import (
@@ -214,6 +215,16 @@ class ManualStepExecutor(Executor):
         call_args = (state, inputs, hypers, self._base_key(), np.uint32(index))
         self._ensure_executable(compiled, call_args)
         return self._run(compiled, call_args, args)
+
+    @property
+    def rng_state(self) -> list[int]:
+        """``[seed, calls made]``, as :attr:`PoplarExecutor.rng_state`."""
+        return [self._seed, self._calls_made]
+
+    @rng_state.setter
+    def rng_state(self, state) -> None:
+        self._seed, self._calls_made = restore_random_state(state)
+        self._key = None
 
     def loss_scale(self) -> float | None:
         """The current loss scale (None without loss scaling)."""

@@ -18,3 +18,12 @@ def seed_key(seed: int) -> jax.Array:
         raise Error(f"random seed {seed} is outside PopTorch's range [0, 2**64)")
     words = np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
     return jax.random.wrap_key_data(words, impl="threefry2x32")
+
+
+def restore_random_state(state) -> tuple[int, int]:
+    """``(seed, calls made)`` from an executor's ``rng_state`` (``[seed, calls made]``)."""
+    if (not isinstance(state, (list, tuple)) or len(state) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in state)):
+        raise Error(f"rng_state must be [seed, calls made] as rng_state returns it, got {state!r}")
+    seed_key(state[0])
+    return int(state[0]), int(state[1])

@@ -5,14 +5,15 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from tests.lightning.helpers import QUIET, assert_same_weights, dataset, loader, twins
+from lightning_ipu.strategy import RANDOM_STATE_KEY
+from tests.lightning.helpers import QUIET, Regressor, assert_same_weights, dataset, loader, twins
 
 FLAGS = {**QUIET, "enable_checkpointing": True}
 
 
-def checkpointed_fit(module, directory, accelerator, batch_size, ckpt_path=None, **flags):
+def checkpointed_fit(module, directory, accelerator, batch_size, ckpt_path=None, max_epochs=4, **flags):
     checkpoint = ModelCheckpoint(dirpath=directory, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
-    trainer = pl.Trainer(accelerator=accelerator, max_epochs=4, callbacks=[checkpoint], **FLAGS, **flags)
+    trainer = pl.Trainer(accelerator=accelerator, max_epochs=max_epochs, callbacks=[checkpoint], **FLAGS, **flags)
     trainer.fit(module, loader(dataset(32), batch_size), ckpt_path=ckpt_path)
     return trainer
 
@@ -47,3 +48,28 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run_and_checkpoints_e
     trainer.save_checkpoint(tmp_path / "final.ckpt")
     final = torch.load(tmp_path / "final.ckpt", weights_only=False)
     assert_same_states(final["state_dict"], full.state_dict())
+
+
+class Dropped(Regressor):
+    """The regressor with dropout in its training step."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Dropout(0.5),
+                                       torch.nn.Linear(8, 2))
+
+
+def test_resume_with_dropout_equals_the_uninterrupted_run_bitwise(tmp_path):
+    """The steps' random state is in the checkpoint: a run resumed from an end-of-epoch
+    checkpoint, in a fresh module, trainer and strategy (as after kill -9), with another default
+    seed, draws the dropout masks of the uninterrupted run."""
+    full, resumed = twins(Dropped, optimizer="adam", lr=0.05)
+    checkpointed_fit(full, tmp_path / "full", "ipu", 4, devices=2, max_epochs=2)
+    saved = torch.load(tmp_path / "full" / "epoch=0.ckpt", weights_only=True)
+    assert saved[RANDOM_STATE_KEY]["training_step"][1] == 4       # 4 calls in epoch 0
+
+    torch.manual_seed(1234)                                      # another process's default seed
+    checkpointed_fit(resumed, tmp_path / "resumed", "ipu", 4, devices=2, max_epochs=2,
+                     ckpt_path=tmp_path / "full" / "epoch=0.ckpt")
+    for (name, p), (_, q) in zip(resumed.named_parameters(), full.named_parameters()):
+        assert torch.equal(p, q), name

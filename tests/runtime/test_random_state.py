@@ -1,5 +1,7 @@
 """The executors' random state: PopTorch's full 64-bit seed range, one distinct stream per seed."""
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
@@ -27,3 +29,36 @@ def test_seeds_differing_in_any_bit_give_distinct_streams():
     for i, first in enumerate(masks):
         for second in masks[i + 1:]:
             assert not torch.equal(first, second)
+
+
+class DropoutRegression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 3)
+
+    def forward(self, x, y):
+        out = self.linear(F.dropout(x, 0.5, training=self.training))
+        return out, F.mse_loss(out, y)
+
+
+def test_rng_state_continues_a_run_in_a_new_executor():
+    """``rng_state`` (seed and calls made) saved after a call and set on a fresh executor of the
+    saved weights: the next call draws the same dropout masks, so its weights equal bitwise."""
+    torch.manual_seed(0)
+    model = DropoutRegression()
+    x, y = torch.randn(2, 4, 6), torch.randn(2, 4, 3)
+    first = poptorch.trainingModel(model, poptorch.Options().randomSeed(2**40 + 3),
+                                   torch.optim.SGD(model.parameters(), lr=0.1))
+    first(x[0], y[0])
+    state, saved = first.rng_state, copy.deepcopy(model.state_dict())
+    assert state == [2**40 + 3, 1]
+    first(x[1], y[1])
+
+    resumed = DropoutRegression()
+    resumed.load_state_dict(saved)
+    second = poptorch.trainingModel(resumed, optimizer=torch.optim.SGD(resumed.parameters(), lr=0.1))
+    second.compile(x[1], y[1])                      # PopTorch's rng_state needs a compiled model
+    second.rng_state = state
+    second(x[1], y[1])
+    for name, value in resumed.state_dict().items():
+        assert torch.equal(value, model.state_dict()[name]), name
