@@ -5,9 +5,11 @@ A map-style loader keeps its own batch sampler (its sampler, shuffling, generato
 gradient_accumulation`` of its consecutive batches into one combined batch. So with 4 replicas
 and ``batch_size=b`` each combined batch holds exactly the samples the same loader with
 ``batch_size=4b`` would give, in the same order. An iterable dataset is batched by the combined
-batch size directly. Either way only whole combined batches are used (the IPU loader warns about
-what it drops). With several processes (``num_nodes``) Lightning's ``DistributedSampler`` gives each
-process its shard first, as with DDP; the replicas of one process share its batches.
+batch size directly. Training uses only whole combined batches (the IPU loader warns about what
+it drops); validation, test and predict also get the short last batch, which the strategy
+evaluates whole (``_short_batches.py``). With several processes (``num_nodes``) Lightning's
+``DistributedSampler`` gives each process its shard first, as with DDP; the replicas of one process
+share its batches.
 """
 
 import warnings
@@ -47,14 +49,21 @@ def to_ipu_dataloader(dataloader: object, options: ipu_backend.Options, stage: s
     kwargs = {name: getattr(dataloader, name) for name in _PASSED_THROUGH}
     if dataloader.num_workers > 0:
         kwargs["prefetch_factor"] = dataloader.prefetch_factor
+    training = stage == "train"
     if isinstance(dataloader.dataset, IterableDataset):
         if dataloader.batch_size is None:
             raise _unbatched(stage)
         return ipu_backend.DataLoader(options, dataloader.dataset, batch_size=dataloader.batch_size,
-                                      drop_last=True, auto_distributed_partitioning=False, **kwargs)
+                                      drop_last=training or dataloader.drop_last, auto_distributed_partitioning=False,
+                                      **kwargs)
     batch_sampler = dataloader.batch_sampler
     if batch_sampler is None:
         raise _unbatched(stage)
+    if not training:                 # the short last batch is evaluated whole (_short_batches.py)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The batch sampler's .* do not divide")
+            return ipu_backend.DataLoader(options, dataloader.dataset, drop_last=False,
+                                          auto_distributed_partitioning=False, batch_sampler=batch_sampler, **kwargs)
     return ipu_backend.DataLoader(options, dataloader.dataset, drop_last=True, auto_distributed_partitioning=False,
                                   batch_sampler=_whole_micro_batches(batch_sampler, factor, stage),
                                   **kwargs)

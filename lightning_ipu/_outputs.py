@@ -49,8 +49,9 @@ def combine_outputs(result, program, micro_batch_size: int):
     return torch_pytree.tree_unflatten(combined, spec)
 
 
-def reduce_logged(name: str, value: torch.Tensor, reduce_fx) -> torch.Tensor:
-    """One logged value from its per-micro-batch values, with ``self.log``'s ``reduce_fx``."""
+def reduce_logged(name: str, value: torch.Tensor, reduce_fx, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """One logged value from its per-micro-batch values, with ``self.log``'s ``reduce_fx``; a
+    mean is weighted by the micro-batches' sizes (``weights``) when they differ."""
     if isinstance(reduce_fx, str):
         if reduce_fx not in _REDUCTIONS:
             raise Error(f"self.log({name!r}, ..., reduce_fx={reduce_fx!r}): use one of "
@@ -59,6 +60,9 @@ def reduce_logged(name: str, value: torch.Tensor, reduce_fx) -> torch.Tensor:
     flat = value.reshape(-1)
     if reduce_fx is torch.mean and not flat.is_floating_point():
         flat = flat.float()
+    if reduce_fx is torch.mean and weights is not None:
+        weights = weights.to(flat.dtype)
+        return (flat * weights).sum() / weights.sum()
     return reduce_fx(flat)
 
 

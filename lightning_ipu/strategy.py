@@ -17,7 +17,8 @@ batch_size`` samples, as with DDP on that many devices. ``accumulate_grad_batche
 options' gradient accumulation: the loop sees one batch per optimizer step. Hyper-parameters
 (learning rate, ...) are read once per host call: a scheduler with ``interval="step"`` steps once per
 batch, i.e. every ``device_iterations`` optimizer steps (``trainer.estimated_stepping_batches``
-counts batches too).
+counts batches too). Validation, test and predict evaluate every sample: the short last batch of
+an epoch runs padded, its padding dropped from every result (``_short_batches.py``).
 
 What a step returns and logs is reduced over the micro-batches of the call as ``_outputs.py``
 describes: ``self.log`` values with their ``reduce_fx`` (the mean by default) over the replicas
@@ -76,7 +77,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import ipu_backend
 from ipu_backend import lightning_seam as seam
-from lightning_ipu import _data, _loop_progress, _metrics, _outputs, _processes
+from lightning_ipu import _data, _loop_progress, _metrics, _outputs, _processes, _short_batches
 
 from .precision import IPUPrecision
 
@@ -476,6 +477,10 @@ class IPUStrategy(ParallelStrategy):
                                             f"positionally; got keywords {sorted(kwargs)}")
         executor = self._executor(method)
         factor = _data.micro_batches_per_call(executor.options)
+        if method != "training_step":
+            micro = self._loader_micro_batch_size(args)
+            if micro is not None and _short_batches.batch_size(args[0]) < micro * factor:
+                return self._run_short(method, args, micro, factor)
         args = self._with_batch_index(method, args, factor)
         self._restore_random_state(method, executor, args)
         try:
@@ -487,6 +492,53 @@ class IPUStrategy(ParallelStrategy):
         metrics = _metrics.update(self.lightning_module, program, logged, executor.options.device_iterations)
         self._log(program, logged, metrics)
         return _outputs.combine_outputs(result, program, _micro_batch_size(args[0], factor))
+
+    def _run_short(self, method: str, args: tuple, micro: int, factor: int) -> Any:
+        """The step on the short last batch of an evaluation epoch (see ``_short_batches.py``)."""
+        executor = self._every_micro_batch_executor(method)
+        pieces_run, kept, kept_logs, per_sample, result = _short_batches.pieces(args[0], micro, factor), [], [], None, None
+        for piece in pieces_run:
+            with warnings.catch_warnings():     # the short micro-batch's size compiles once more
+                warnings.filterwarnings("ignore", message="the inputs' shapes or dtypes changed")
+                result = executor(*self._with_batch_index(method, (piece.batch, *args[1:]), factor))
+            program = executor.last_program
+            shapes = program.result_shapes()
+            per_sample = per_sample or _short_batches.per_sample_leaves(shapes, piece)
+            kept.append(_short_batches.kept_result(result, shapes, per_sample, piece, factor))
+            kept_logs.append(_short_batches.kept_logs(executor.last_logs, piece, factor))
+            metrics = _metrics.update(self.lightning_module, program, kept_logs[-1], piece.real)
+        self._log(program, _short_batches.merged_logs(kept_logs), metrics,
+                  _short_batches.micro_batch_weights(pieces_run))
+        return _short_batches.merged_result(result, kept, per_sample, pieces_run)
+
+    def _every_micro_batch_executor(self, method: str) -> seam.PoplarExecutor:
+        """The step's executor returning every micro-batch's results (``OutputMode.All``): its own
+        executor unless its options select others."""
+        executor = self._executor(method)
+        if executor.options.output_mode in (ipu_backend.OutputMode.All, ipu_backend.OutputMode.Default):
+            return executor
+        key = f"{method} (every micro-batch)"
+        if key not in self._executors:
+            options = executor.options.clone().outputMode(ipu_backend.OutputMode.All)
+            self._executors[key] = seam.step_executor(self.lightning_module, options, method, False)
+        return self._executors[key]
+
+    def _loader_micro_batch_size(self, args: tuple) -> int | None:
+        """The micro-batch size of the evaluation dataloader that gave this batch (None when it
+        has no fixed batch size)."""
+        trainer = self._trainer
+        stage = trainer.state.stage
+        if stage == RunningStage.TESTING:
+            loaders = trainer.test_dataloaders
+        elif stage == RunningStage.PREDICTING:
+            loaders = trainer.predict_dataloaders
+        else:
+            loaders = trainer.val_dataloaders
+        if isinstance(loaders, (list, tuple)):
+            index = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+            loaders = loaders[index]
+        combined = getattr(loaders, "combinedBatchSize", None)
+        return None if combined is None else combined // _data.micro_batches_per_call(loaders.options)
 
     def _executor(self, method: str) -> seam.PoplarExecutor:
         executor = self._executors.get(method)
@@ -509,7 +561,7 @@ class IPUStrategy(ParallelStrategy):
         state = self._restored_random_states.pop(method, None)
         if state is None:
             return
-        if isinstance(executor, PoplarExecutor):
+        if isinstance(executor, seam.PoplarExecutor):
             executor.compile(*args)
         executor.rng_state = state
 
@@ -587,9 +639,10 @@ class IPUStrategy(ParallelStrategy):
         batch_idx = torch.full((factor,), args[1], dtype=torch.int64) if reads else 0
         return (args[0], batch_idx, *args[2:])
 
-    def _log(self, program, logged: dict, metrics: dict) -> None:
+    def _log(self, program, logged: dict, metrics: dict, weights: torch.Tensor | None = None) -> None:
         """Hand each ``self.log`` of the compiled step to Lightning, with its concrete value (a
-        torchmetrics object as itself, its state brought up to date by ``_metrics.update``).
+        torchmetrics object as itself, its state brought up to date by ``_metrics.update``);
+        ``weights``: the size of each micro-batch the logged values come from, when they differ.
         With several processes the values come from every process's replicas already, so
         Lightning is not asked to reduce them again (``sync_dist``)."""
         module = self.lightning_module
@@ -600,7 +653,8 @@ class IPUStrategy(ParallelStrategy):
             if call.metric is not None:
                 value = metrics[call.metric]
             elif call.is_tensor:
-                value = _outputs.reduce_logged(call.name, logged[call.name], call.kwargs.get("reduce_fx", "mean"))
+                value = _outputs.reduce_logged(call.name, logged[call.name], call.kwargs.get("reduce_fx", "mean"),
+                                               weights)
             else:
                 value = call.constant
             module.log(call.name, value, **{**call.kwargs, **synced})

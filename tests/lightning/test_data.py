@@ -60,13 +60,21 @@ def test_a_user_batch_sampler_works_with_replicas():
     torch.testing.assert_close(got[2][0], data.tensors[0][[1, 3, 5, 7, 9, 11, 13, 15]])
 
 
-def test_a_short_last_batch_is_dropped_when_batches_are_combined():
+def test_a_short_last_batch_is_dropped_in_training_when_batches_are_combined():
     data = dataset(18)
     with pytest.warns(UserWarning, match="last batch is short"):
-        ipu = to_ipu_dataloader(DataLoader(data, batch_size=4), ipu_backend.Options(replication_factor=2), "val")
+        ipu = to_ipu_dataloader(DataLoader(data, batch_size=4), ipu_backend.Options(replication_factor=2), "train")
     assert [b[0].shape[0] for b in ipu] == [8, 8]
-    single = to_ipu_dataloader(DataLoader(data, batch_size=4), ipu_backend.Options(), "val")
+    single = to_ipu_dataloader(DataLoader(data, batch_size=4), ipu_backend.Options(), "train")
     assert [b[0].shape[0] for b in single] == [4, 4, 4, 4, 2]
+
+
+def test_evaluation_keeps_the_short_last_batch():
+    """Validation, test and predict evaluate it whole (tests/lightning/test_short_batches.py)."""
+    data = dataset(18)
+    ipu = to_ipu_dataloader(DataLoader(data, batch_size=4), ipu_backend.Options(replication_factor=2), "val")
+    assert [b[0].shape[0] for b in ipu] == [8, 8, 2]
+    torch.testing.assert_close(torch.cat([b[0] for b in ipu]), data.tensors[0])
 
 
 class Stream(IterableDataset):
@@ -75,8 +83,10 @@ class Stream(IterableDataset):
 
 
 def test_an_iterable_dataset_is_batched_by_the_combined_batch_size():
-    ipu = to_ipu_dataloader(DataLoader(Stream(), batch_size=2), ipu_backend.Options(replication_factor=2), "predict")
-    assert [b.shape for b in ipu] == [(4, 2), (4, 2)]
+    options = ipu_backend.Options(replication_factor=2)
+    assert [b.shape for b in to_ipu_dataloader(DataLoader(Stream(), batch_size=2), options, "train")] == [(4, 2)] * 2
+    assert [b.shape for b in to_ipu_dataloader(DataLoader(Stream(), batch_size=2), options, "predict")] == \
+        [(4, 2), (4, 2), (2, 2)]
 
 
 def test_an_ipu_dataloader_with_the_right_options_is_kept():

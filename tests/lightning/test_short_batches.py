@@ -1,0 +1,93 @@
+"""Validation, test and predict evaluate every sample: the short last batch of an epoch (70
+samples in batches of 4, 16 samples a host call) gives the CPU's epoch metrics, torchmetrics
+values and predictions, with 2 replicas x 2 device iterations."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+import torchmetrics
+
+import ipu_backend
+from lightning_ipu import IPUStrategy
+from tests.lightning.helpers import ATOL, QUIET, RTOL, dataset, loader, twins
+
+SAMPLES, BATCH = 70, 4
+
+
+class Evaluated(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        self.val_mse = torchmetrics.MeanSquaredError()
+        self.test_mae = torchmetrics.MeanAbsoluteError()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.net(x)
+        self.log("val_loss", F.mse_loss(out, y))
+        self.val_mse.update(out, y)
+        self.log("val_mse", self.val_mse)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.net(x)
+        self.log("test_loss", F.mse_loss(out, y))
+        self.log("test_max", (out - y).abs().max(), reduce_fx="max")
+        self.test_mae(out, y)
+        self.log("test_mae", self.test_mae)
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def trainer(accelerator, inference_opts=None):
+    if accelerator == "cpu":
+        return pl.Trainer(accelerator="cpu", max_epochs=1, **QUIET)
+    strategy = IPUStrategy(device_iterations=2, inference_opts=inference_opts)
+    return pl.Trainer(accelerator="ipu", devices=2, strategy=strategy, max_epochs=1, **QUIET)
+
+
+def assert_same(got: dict, expected: dict, names):
+    for name in names:
+        torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.parametrize("output_mode", [None, "final"])
+def test_test_metrics_over_a_short_last_batch_equal_the_cpus(output_mode):
+    ipu, cpu = twins(Evaluated)
+    opts = None if output_mode is None else ipu_backend.Options(
+        device_iterations=2, replication_factor=2, output_mode=output_mode)
+    data = loader(dataset(SAMPLES, seed=2), BATCH)
+    got = trainer("ipu", opts).test(ipu, data, verbose=False)[0]
+    expected = trainer("cpu").test(cpu, data, verbose=False)[0]
+    # OutputMode.Final logs each host call's last micro-batch; its metric states cover them all
+    assert_same(got, expected, ["test_loss", "test_max", "test_mae"] if output_mode is None else ["test_mae"])
+
+
+def test_fits_validation_over_a_short_last_batch_equals_the_cpus():
+    """Training steps on 2 replicas x 4 samples equal the CPU's on 8; validation as above."""
+    ipu, cpu = twins(Evaluated)
+    val = loader(dataset(SAMPLES, seed=2), BATCH)
+    runs = []
+    for module, accelerator, batch in ((ipu, "ipu", BATCH), (cpu, "cpu", 2 * BATCH)):
+        run = trainer(accelerator)
+        run.fit(module, loader(dataset(32), batch), val)
+        runs.append(run.callback_metrics)
+    assert_same(runs[0], runs[1], ["val_loss", "val_mse"])
+
+
+def test_predictions_cover_every_sample():
+    ipu, cpu = twins(Evaluated)
+    data = loader(dataset(SAMPLES, seed=2), BATCH)
+    got = torch.cat(trainer("ipu").predict(ipu, data))
+    expected = torch.cat(trainer("cpu").predict(cpu, data))
+    assert got.shape == (SAMPLES, 2)
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
