@@ -164,6 +164,30 @@ def test_async_rebatches_an_iterable_dataset():
                    rebatched_worker_size=9)
 
 
+class _ShardedStream(IterableDataset):
+    """Samples 0..n-1, split between the loader's workers."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        worker = torch.utils.data.get_worker_info()
+        return iter(torch.arange(self.n, dtype=torch.float32)[worker.id::worker.num_workers][:, None])
+
+
+def test_async_without_drop_last_rebatches_the_workers_leftovers_as_poptorch():
+    """PopTorch's Async mode with drop_last=False rebatches: the workers' leftover samples make one
+    last short batch, where Sync returns each worker's leftovers as a batch of its own."""
+    opts = Options(device_iterations=4)
+    sync = _quietly(lambda: DataLoader(opts, _ShardedStream(30), batch_size=2, drop_last=False, num_workers=2))
+    async_ = DataLoader(opts.clone(), _ShardedStream(30), batch_size=2, drop_last=False, num_workers=2,
+                        mode=DataLoaderMode.Async)
+    assert sorted(len(batch) for batch in sync) == [7, 7, 8, 8]
+    batches = list(async_)
+    assert [len(batch) for batch in batches] == [8, 8, 8, 6]
+    assert sorted(torch.cat(batches).flatten().tolist()) == list(range(30))
+
+
 def test_async_thread_stops_when_iteration_ends_or_is_abandoned():
     loader = DataLoader(Options(device_iterations=2), _samples(40), batch_size=2,
                         mode=DataLoaderMode.Async, async_options={"buffer_size": 1})

@@ -50,7 +50,8 @@ class DataLoader(torch.utils.data.DataLoader):
     3) combined batches ahead, yielding exactly what ``Sync`` yields. For an ``IterableDataset``,
     ``AsyncRebatched`` has torch load batches of ``rebatched_worker_size`` samples (default: the
     combined batch size) and cuts their concatenation into combined batches, so that each worker's
-    leftover samples are not dropped separately. PopTorch's other ``async_options``
+    leftover samples are not dropped separately; ``Async`` does the same when ``drop_last`` is
+    False (PopTorch's rule), so the leftovers make one last, smaller batch. PopTorch's other ``async_options``
     (``miss_sleep_time_in_ms``, ``load_indefinitely``, ``early_preload``, ``sharing_strategy``)
     are accepted and inert.
 
@@ -129,7 +130,8 @@ class DataLoader(torch.utils.data.DataLoader):
             _warn_micro_batch_remainder(batch_sampler, micro_batches, drop_last)
             super().__init__(dataset, batch_sampler=_CombinedBatchSampler(
                 batch_sampler, micro_batches, drop_last), **kwargs)
-        elif is_iterable and mode is DataLoaderMode.AsyncRebatched and combined is not None:
+        elif is_iterable and combined is not None and (mode is DataLoaderMode.AsyncRebatched or (
+                mode is DataLoaderMode.Async and not drop_last and combined > 1)):
             self._rebatch_size = combined
             super().__init__(dataset, batch_size=rebatched_worker_size or combined,
                              drop_last=False, **kwargs)
