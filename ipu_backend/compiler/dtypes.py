@@ -37,16 +37,22 @@ def jax_dtype(dtype: torch.dtype):
 
 
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+_INT64 = np.dtype(np.int64)
 
 
 def check_int32_range(values, what: str) -> None:
     """Refuse int64 ``values`` (a tensor or numpy array) that int32, their device dtype, cannot
-    hold: converting would wrap them. ``what`` names the tensor in the error."""
-    if values.dtype not in (torch.int64, np.int64) or 0 in values.shape:
+    hold: converting would wrap them. ``what`` names the tensor in the error. (Each input of
+    each call is checked: two ufunc reductions, the cheapest full pass numpy has.)"""
+    if isinstance(values, torch.Tensor):
+        if values.dtype != torch.int64:
+            return
+        values = values.detach().cpu().numpy()
+    if values.dtype != _INT64 or values.size == 0:
         return
-    low, high = int(values.min()), int(values.max())
+    low, high = np.minimum.reduce(values, axis=None), np.maximum.reduce(values, axis=None)
     if low < INT32_MIN or high > INT32_MAX:
-        bad = high if high > INT32_MAX else low
+        bad = int(high) if high > INT32_MAX else int(low)
         raise Error(f"{what} holds the int64 value {bad}, outside the int32 range in which the device "
                     f"carries int64 ([{INT32_MIN}, {INT32_MAX}]): it would wrap. Keep integer inputs, "
                     "weights and buffers within that range (re-map large ids to a smaller range)")
