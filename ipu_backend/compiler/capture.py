@@ -166,11 +166,28 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         raise Error(f"{error}\n(while capturing the program, at {where})") from error
     finally:
         hook.remove()
+    _detach_no_grad_regions(exported.graph_module)
     exported = decompose_to_core_aten(exported)
     loops.outline_loops(exported.graph_module)
     hints.check_multi_convs(exported.graph_module)
     exported.graph_module.meta[FLOAT32_PRECISION_KEY] = precision
     return exported
+
+
+def _detach_no_grad_regions(graph_module: torch.fx.GraphModule) -> None:
+    """Detach what a ``torch.no_grad()`` block of the step computes, so that no gradient flows
+    through it (torch records none there). torch.export marks such a block as a
+    ``wrap_with_set_grad_enabled(False, ...)`` call, which decomposition would inline unmarked."""
+    graph = graph_module.graph
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.higher_order.wrap_with_set_grad_enabled or node.args[0]:
+            continue
+        for user in list(node.users):
+            with graph.inserting_after(user):
+                detached = graph.call_function(torch.ops.aten.detach.default, (user,))
+            user.replace_all_uses_with(detached, delete_user_cb=lambda use: use is not detached)
+            detached.meta.update(val=user.meta.get("val"), stack_trace=user.meta.get("stack_trace"))
+    graph_module.recompile()
 
 
 def _raised_by_user_code(tb) -> bool:

@@ -136,3 +136,37 @@ def test_inference_model_runs_everything_in_eval_mode_and_leaves_the_flags():
     out = poptorch.inferenceModel(model)(x, x)[0]
     torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
     assert model.training and model.norm.training and not model.linear.training
+
+
+class PartlyNoGrad(torch.nn.Module):
+    """A step with a ``torch.no_grad()`` block: a scale computed from a parameter, and a buffer
+    updated in place (an exponential moving average)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.full((3,), 0.5))
+        self.weight = torch.nn.Parameter(torch.ones(3))
+        self.register_buffer("average", torch.zeros(3))
+
+    def forward(self, x):
+        with torch.no_grad():
+            frozen_scale = self.scale * 2
+            self.average.mul_(0.9).add_(0.1 * x.mean(0))
+        return (x * frozen_scale * self.weight * self.scale).sum()
+
+
+def test_no_grad_block_passes_no_gradient_as_in_torch():
+    torch.manual_seed(0)
+    model = PartlyNoGrad()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 4, 3)
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for batch in x:
+        torch_optimizer.zero_grad()
+        reference(batch).backward()
+        torch_optimizer.step()
+    ipu = poptorch.trainingModel(model, poptorch.Options().deviceIterations(2),
+                                 torch.optim.SGD(model.parameters(), lr=0.1))
+    ipu(x.reshape(-1, 3))
+    assert_same_parameters(model, reference)
+    torch.testing.assert_close(model.average, reference.average, rtol=RTOL, atol=ATOL)
