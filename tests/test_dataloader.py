@@ -175,15 +175,14 @@ class _ShardedStream(IterableDataset):
         return iter(torch.arange(self.n, dtype=torch.float32)[worker.id::worker.num_workers][:, None])
 
 
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")     # the workers run no JAX
 def test_async_without_drop_last_rebatches_the_workers_leftovers_as_poptorch():
-    """PopTorch's Async mode with drop_last=False rebatches: the workers' leftover samples make one
-    last short batch, where Sync returns each worker's leftovers as a batch of its own."""
-    opts = Options(device_iterations=4)
-    sync = _quietly(lambda: DataLoader(opts, _ShardedStream(30), batch_size=2, drop_last=False, num_workers=2))
-    async_ = DataLoader(opts.clone(), _ShardedStream(30), batch_size=2, drop_last=False, num_workers=2,
-                        mode=DataLoaderMode.Async)
-    assert sorted(len(batch) for batch in sync) == [7, 7, 8, 8]
-    batches = list(async_)
+    """PopTorch's Async mode with drop_last=False rebatches: the leftover samples of the two
+    workers (15 each, in batches of 8) make one last short batch, where Sync would return each
+    worker's 7 leftovers as a batch of its own."""
+    loader = DataLoader(Options(device_iterations=4), _ShardedStream(30), batch_size=2, drop_last=False,
+                        num_workers=2, mode=DataLoaderMode.Async)
+    batches = list(loader)
     assert [len(batch) for batch in batches] == [8, 8, 8, 6]
     assert sorted(torch.cat(batches).flatten().tolist()) == list(range(30))
 
