@@ -3,6 +3,7 @@
 import contextlib
 import contextvars
 import functools
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +15,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ipu_backend.compiler import containers, float32_precision, hints, loops, metric_states
 from ipu_backend.compiler.lowerings import attention
-from ipu_backend.compiler.sources import is_library_file, traceback_location
+from ipu_backend.compiler.sources import traceback_location
 from ipu_backend.errors import Error
 
 
@@ -161,7 +162,10 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         raise
     except (RuntimeError, TypeError, ValueError, IndexError) as error:
         where = traceback_location(error.__traceback__)
-        if where is None or _raised_by_user_code(error.__traceback__):
+        if where is None or not _raised_by_torch(error.__traceback__):
+            raise
+        if type(error) is not RuntimeError:          # keep torch's exception type, add the line
+            error.add_note(f"(while capturing the program, at {where})")
             raise
         raise Error(f"{error}\n(while capturing the program, at {where})") from error
     finally:
@@ -190,12 +194,15 @@ def _detach_no_grad_regions(graph_module: torch.fx.GraphModule) -> None:
     graph_module.recompile()
 
 
-def _raised_by_user_code(tb) -> bool:
-    """Whether the innermost frame of ``tb`` is the user's: their own exception, which already
-    points at their line, passes through unchanged."""
+def _raised_by_torch(tb) -> bool:
+    """Whether the innermost frame of ``tb`` is torch's (a shape check while tracing): the
+    user's own exceptions, and this package's, already say where they come from."""
     while tb.tb_next is not None:
         tb = tb.tb_next
-    return not is_library_file(tb.tb_frame.f_code.co_filename)
+    return os.path.realpath(tb.tb_frame.f_code.co_filename).startswith(_TORCH_DIR)
+
+
+_TORCH_DIR = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
 
 
 def decompose_to_core_aten(exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
