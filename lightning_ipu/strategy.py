@@ -498,9 +498,11 @@ class IPUStrategy(ParallelStrategy):
         executor = self._every_micro_batch_executor(method)
         pieces_run, kept, kept_logs, per_sample, result = _short_batches.pieces(args[0], micro, factor), [], [], None, None
         for piece in pieces_run:
+            piece_args = self._with_batch_index(method, (piece.batch, *args[1:]), factor)
             with warnings.catch_warnings():     # the short micro-batch's size compiles once more
                 warnings.filterwarnings("ignore", message="the inputs' shapes or dtypes changed")
-                result = executor(*self._with_batch_index(method, (piece.batch, *args[1:]), factor))
+                self._restore_random_state(method, executor, piece_args)
+                result = executor(*piece_args)
             program = executor.last_program
             shapes = program.result_shapes()
             per_sample = per_sample or _short_batches.per_sample_leaves(shapes, piece)
