@@ -322,8 +322,11 @@ class Executor:
             self._opt_states_on_host = True
 
     def _start(self) -> None:
-        """At the first call (or ``compile``): a new executor starts from the module's current
-        host weights and buffers, host writes included (see ``weights.py``)."""
+        """Before a call (or ``compile``): a new executor starts from the module's current host
+        weights and buffers, host writes included; a Lightning step also takes the host writes
+        callbacks made since its last call (see ``weights.py``)."""
         if not self._started:
             self._started = True
             self._store.load_from_host()
+        elif self._step_method is not None:
+            self._store.load_host_writes()

@@ -11,7 +11,8 @@ the device's weights back skips the tensors written since the device's last upda
 executor starts from the host's weights and buffers (:meth:`WeightStore.load_from_host` at its
 first call). An existing one keeps PopTorch's rule: host edits reach it through
 ``copyWeightsToDevice``; its next call otherwise runs from the device's weights, which then
-replace the edits.
+replace the edits. A Lightning step, which has no such call to make, takes the host writes made
+since its last call (by callbacks) at its next one (:meth:`WeightStore.load_host_writes`).
 
 Calls and copies of one module's weights hold its store's lock, so executors sharing them may be
 called from several threads: one call at a time, every update kept.
@@ -101,6 +102,25 @@ class WeightStore:
         self.host_stale = True
         self._agreed = {name: (tensor, tensor._version, tensor.data_ptr())
                         for name, (tensor, _, _) in self._agreed.items()}
+
+    def load_host_writes(self) -> None:
+        """Only the tensors the host wrote since the device's last update become the device's
+        (the device keeps the rest, which may be newer than the host's copy)."""
+        with self.lock:
+            if self.params is None:
+                return
+            written = self.host_writes()
+            if not written:
+                return
+            tensors = [(n, t) for n, t in _host_tensors(self.module) if n in written]
+            for name, tensor in tensors:
+                if name in self.params:
+                    self.params = {**self.params, name: to_jax(tensor, f"parameter {name}")}
+                elif name in self.buffers:
+                    self.buffers = {**self.buffers, name: to_jax(tensor, f"buffer {name}")}
+            self._agree(tensors)
+            for callback in self.on_host_load:
+                callback(written)
 
     def host_writes(self) -> set[str]:
         """The host tensors written since the device's last update (or never loaded)."""

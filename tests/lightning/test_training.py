@@ -136,3 +136,20 @@ def test_fast_dev_run_runs_one_batch_of_each_loop():
     trainer = pl.Trainer(accelerator="ipu", devices=2, fast_dev_run=True, callbacks=[recorder], **QUIET)
     trainer.fit(ipu, loader(dataset(), 4), loader(dataset(), 4))
     assert recorder.steps == [1] and recorder.validations == 1
+
+
+class HalveFirstLayer(pl.Callback):
+    """Writes the weights between steps, as weight constraints and averaging callbacks do."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        with torch.no_grad():
+            pl_module.net[0].weight.mul_(0.5)
+
+
+def test_weights_written_by_a_callback_reach_the_next_step():
+    ipu, cpu = twins(lr=0.05)
+    for module, accelerator, batch in ((ipu, "ipu", 4), (cpu, "cpu", 8)):
+        trainer = pl.Trainer(accelerator=accelerator, max_epochs=1, callbacks=[HalveFirstLayer()],
+                             **({"devices": 2} if accelerator == "ipu" else {}), **QUIET)
+        trainer.fit(module, loader(dataset(32), batch))
+    assert_same_weights(ipu, cpu)
