@@ -13,8 +13,7 @@ from torch._export import utils as _export_utils
 from torch.export import exported_program as _exported_program
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from ipu_backend.compiler import containers, float32_precision, hints, loops, metric_states
-from ipu_backend.compiler.lowerings import attention
+from ipu_backend.compiler import attention_choice, containers, float32_precision, hints, loops, metric_states
 from ipu_backend.compiler.sources import traceback_location
 from ipu_backend.errors import Error
 
@@ -232,9 +231,9 @@ _ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
 
 
 def _attention_whole_or_decomposed(*args, decomposition, **kwargs):
-    """A ``scaled_dot_product_attention`` call kept whole where ``attention.kept_whole`` says
+    """A ``scaled_dot_product_attention`` call kept whole where ``attention_choice.kept_whole`` says
     so (torch keeps an op whose decomposition answers NotImplemented), else decomposed."""
-    if attention.kept_whole(*args, **kwargs):
+    if attention_choice.kept_whole(*args, **kwargs):
         return NotImplemented
     return decomposition(*args, **kwargs)
 

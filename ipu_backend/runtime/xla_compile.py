@@ -3,7 +3,7 @@
 import contextlib
 import contextvars
 
-from ipu_backend.compiler.lowerings.backend import on_cpu
+from ipu_backend.compiler.backend import on_cpu
 
 CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 """XLA:CPU's copy insertion with region analysis: it sees that a device-iterations loop may

@@ -14,7 +14,7 @@ from torch import nn
 
 from ipu_backend.compiler import capture, compile_module, float32_precision, to_jax
 from ipu_backend.compiler.float32_precision import Float32Precision
-from ipu_backend.compiler.lowerings import backend
+from ipu_backend.compiler import backend
 
 # Each case sets torch's switches in a process of its own (forked from one that imported torch):
 # once the legacy and the new switches are both used in a process, torch's legacy getters raise,

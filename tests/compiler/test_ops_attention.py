@@ -9,7 +9,7 @@ from torch import nn
 
 from ipu_backend.compiler import compile_module
 from ipu_backend.compiler.lowering_options import lowering_options
-from ipu_backend.compiler.lowerings import backend
+from ipu_backend.compiler import backend
 from tests.compiler.harness import OpCase, case_params, check_case
 from tests.compiler.model_harness import check_model
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from ipu_backend.compiler.lowering_options import current_options, lowering_options
-from ipu_backend.compiler.lowerings import backend
+from ipu_backend.compiler import backend
 from ipu_backend.compiler.lowerings.convolution import convolution
 from tests.compiler.harness import OpCase, case_params, check_case
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ipu_backend.compiler import to_jax
-from ipu_backend.compiler.lowerings import backend
+from ipu_backend.compiler import backend
 from ipu_backend.compiler.lowerings.linalg import matrix_product
 from tests.compiler.harness import OpCase, case_params, check_case
 

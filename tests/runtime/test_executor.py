@@ -534,7 +534,7 @@ def test_replicas_fold_onto_fewer_devices_with_the_same_numbers(monkeypatch):
     torch_steps(reference, zip(x.split(8), y.split(8)))
     opts = poptorch.Options().deviceIterations(2).replicationFactor(8)
     model = poptorch.trainingModel(ipu, opts, torch.optim.SGD(ipu.parameters(), lr=0.05))
-    with pytest.warns(UserWarning, match="8 replicas run on 2 JAX device"):
+    with pytest.warns(UserWarning, match="8 replicas run on 2 JAX CPU device"):
         model(x, y)
     assert_params_equal(ipu, reference)
 

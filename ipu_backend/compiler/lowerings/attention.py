@@ -2,7 +2,7 @@
 
 torch's decomposition of ``aten.scaled_dot_product_attention`` (two batched products, a softmax
 and its masks) is what a program gets on the CPU: XLA:CPU fuses it well, with torch's CPU
-numbers. Where the op is kept whole at capture (:func:`kept_whole`), it lowers to
+numbers. Where the op is kept whole at capture (:func:`~ipu_backend.compiler.attention_choice.kept_whole`), it lowers to
 ``jax.nn.dot_product_attention``: on an NVIDIA GPU, cuDNN's flash attention for float16 and
 bfloat16 (forward and backward kernels that never hold the scores in memory), JAX's XLA
 implementation elsewhere. The choice is ``lowering_options(attention=...)`` at capture:
@@ -24,43 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from ipu_backend.compiler.lowering_options import current_options
-from ipu_backend.compiler.lowerings import backend
+from ipu_backend.compiler import backend
 from ipu_backend.compiler.registry import lowering
 
 aten = torch.ops.aten
-
-HALF = (torch.float16, torch.bfloat16)
-
-
-def _argument(args, kwargs, index: int, name: str, default):
-    return args[index] if len(args) > index else kwargs.get(name, default)
-
-
-def kept_whole(query, key, value, *args, **kwargs) -> bool:
-    """Whether the capture keeps this ``scaled_dot_product_attention`` call whole (its arguments
-    are torch's, the tensors fake ones); else it is decomposed."""
-    mode = current_options().attention
-    if mode == "decomposed" or (mode == "auto" and (backend.on_cpu() or query.dtype not in HALF)):
-        return False
-    mask = _argument(args, kwargs, 0, "attn_mask", None)
-    dropout = _argument(args, kwargs, 1, "dropout_p", 0.0)
-    gqa = _argument(args, kwargs, 4, "enable_gqa", False)
-    tensors = (query, key, value)
-    if not isinstance(dropout, (int, float)) or dropout != 0 or any(
-            not isinstance(t, torch.Tensor) or t.ndim < 3 or t.ndim != query.ndim for t in tensors):
-        return False
-    if len({t.dtype for t in tensors}) != 1 or not query.dtype.is_floating_point:
-        return False
-    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
-        return False
-    heads = [t.shape[-3] if t.ndim > 3 else 1 for t in tensors]
-    batch = [t.shape[:-3] if t.ndim > 3 else t.shape[:-2] for t in tensors]
-    return (batch[0] == batch[1] == batch[2]
-            and query.shape[-1] == key.shape[-1] == value.shape[-1]
-            and key.shape[-2] == value.shape[-2] and heads[1] == heads[2]
-            and (heads[0] == heads[1] or (gqa and heads[0] % heads[1] == 0)))
-
 
 def _as_btnh(x):
     """``(*batch, heads, length, size)`` as JAX's ``(batch, length, heads, size)``."""

@@ -30,7 +30,7 @@ import torch
 from jax import lax
 
 from ipu_backend.compiler.lowering_options import current_options
-from ipu_backend.compiler.lowerings import backend
+from ipu_backend.compiler import backend
 from ipu_backend.compiler.lowerings.linalg import accumulation_dtype, matrix_product
 from ipu_backend.compiler.registry import lowering
 

@@ -15,7 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 import torch
 
 from ipu_backend.compiler import axis_order
-from ipu_backend.compiler.lowerings import backend
+from ipu_backend.compiler import backend
 from ipu_backend.compiler.registry import lowering
 
 aten = torch.ops.aten
