@@ -31,7 +31,7 @@ from collections.abc import Mapping
 import torch
 
 from ipu_backend.errors import Error
-from ipu_backend.runtime.optimizers import register_optimizer
+from ipu_backend.runtime.algorithms import register_optimizer
 
 FP16_MAX = 65500.0
 """LAMB's default ``max_weight_norm``: the largest float16, as in PopTorch."""

@@ -17,7 +17,7 @@ import torch
 
 from ipu_backend import optim
 from ipu_backend.errors import Error
-from ipu_backend.runtime.optimizers import optimizer_rule
+from ipu_backend.runtime.algorithms import optimizer_rule
 
 STEPS = 6
 FP32 = {"rtol": 1e-5, "atol": 1e-6}

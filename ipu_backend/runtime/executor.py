@@ -30,7 +30,8 @@ from ipu_backend.runtime.module_modes import capture_modes
 from ipu_backend.runtime.module_repr import module_repr
 from ipu_backend.runtime.multi_ipu import MultiIpuProgram
 from ipu_backend.runtime.multi_ipu_builder import build, check_ipu_count
-from ipu_backend.runtime.optimizers import needs_running_mean, optimizer_rule
+from ipu_backend.runtime.algorithms import optimizer_rule
+from ipu_backend.runtime.optimizers import needs_running_mean
 from ipu_backend.runtime.outputs import check_index_inputs, host_inputs, inputs_to_device
 from ipu_backend.runtime.packing import Packing, stacks_for_optimizer
 from ipu_backend.runtime.random_state import restore_random_state

@@ -57,7 +57,7 @@ from ipu_backend.runtime.clipping import GradientClipping
 from ipu_backend.runtime.devices import REPLICA
 from ipu_backend.runtime.lifecycle import CompiledStep, Executor, first_micro_batch, input_signature, optimizer_state
 from ipu_backend.runtime.module_modes import capture_modes
-from ipu_backend.runtime.optimizers import optimizer_rule
+from ipu_backend.runtime.algorithms import optimizer_rule
 from ipu_backend.runtime.outputs import inputs_to_device
 from ipu_backend.runtime.random_state import restore_random_state
 from ipu_backend.runtime.recording import BACKWARD, MANUAL, UPDATE

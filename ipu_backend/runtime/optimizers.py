@@ -1,6 +1,7 @@
 """Optimizer updates as pure JAX functions, driven by a torch optimizer.
 
-``optimizer_rule(torch_optimizer, param_names)`` reads the algorithm and its structural options
+``optimizer_rule(torch_optimizer, param_names)`` (``runtime/algorithms.py``, which holds the
+algorithms and chooses one for an optimizer) reads the algorithm and its structural options
 once (which parameters are in which group, nesterov, amsgrad, accumulator dtypes...). Inside the
 jitted training step the executor then runs::
 
@@ -36,7 +37,7 @@ import torch
 from ipu_backend.errors import Error
 from ipu_backend.runtime.clipping import clip_by_global_norm
 
-_OPTION_DEFAULTS = {
+OPTION_DEFAULTS = {
     "loss_scaling": 1.0,
     "velocity_scaling": 1.0,
     "max_grad_norm": math.inf,
@@ -57,10 +58,10 @@ def _scalar(value) -> np.ndarray:
     return np.asarray(float(value), np.float32)
 
 
-def _optimizer_wide(optimizer: torch.optim.Optimizer, name: str):
+def optimizer_wide(optimizer: torch.optim.Optimizer, name: str):
     """An option PopTorch keeps optimizer-wide, read from the param groups (where our optimizers
     store it; torch's own have none and get PopTorch's default)."""
-    values = [group.get(name, _OPTION_DEFAULTS[name]) for group in optimizer.param_groups]
+    values = [group.get(name, OPTION_DEFAULTS[name]) for group in optimizer.param_groups]
     if any(v != values[0] for v in values):
         raise Error(f"{name} must be the same in every param group (got {values}); set it on the "
                     f"optimizer (optimizer.{name} = ...) rather than in one group")
@@ -70,20 +71,20 @@ def _optimizer_wide(optimizer: torch.optim.Optimizer, name: str):
 def needs_running_mean(optimizer: torch.optim.Optimizer) -> bool:
     """PopTorch's choice of ``MeanReductionStrategy.Running`` for an optimizer: float16 gradient
     accumulators (``accum_type``), except SGD's combined variant."""
-    return (_optimizer_wide(optimizer, "accum_type") == torch.float16
-            and not _optimizer_wide(optimizer, "use_combined_accum"))
+    return (optimizer_wide(optimizer, "accum_type") == torch.float16
+            and not optimizer_wide(optimizer, "use_combined_accum"))
 
 
-def _state_dtype(optimizer: torch.optim.Optimizer, name: str):
-    dtype = _optimizer_wide(optimizer, name)
+def state_dtype(optimizer: torch.optim.Optimizer, name: str):
+    dtype = optimizer_wide(optimizer, name)
     if dtype not in _STATE_DTYPES:
         raise Error(f"{name}={dtype} is not supported; use torch.float32 or torch.float16")
     return _STATE_DTYPES[dtype]
 
 
-def _moment_dtypes(optimizer: torch.optim.Optimizer) -> dict:
+def moment_dtypes(optimizer: torch.optim.Optimizer) -> dict:
     """PopTorch's first- and second-order accumulator dtypes (of exp_avg and exp_avg_sq...)."""
-    return {name: _state_dtype(optimizer, name)
+    return {name: state_dtype(optimizer, name)
             for name in ("first_order_momentum_accum_type", "second_order_momentum_accum_type")}
 
 
@@ -96,7 +97,7 @@ def _to_numpy_float32(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().to("cpu", torch.float32).numpy()
 
 
-def _l2_norm(x):
+def l2_norm(x):
     return jnp.sqrt(jnp.sum(jnp.square(x)))
 
 
@@ -127,7 +128,7 @@ class OptimizerRule:
         self.names = tuple(name for names in self.groups for name in names if name not in self.without_gradient)
         self._param_ids = self._ids(optimizer)
         self._options, self._group_options = self._static(optimizer)
-        self.accum_dtype = _state_dtype(optimizer, "accum_type")
+        self.accum_dtype = state_dtype(optimizer, "accum_type")
         """dtype for accumulating gradients over micro-batches (PopTorch's ``accum_type``)."""
         self._hyper_values(optimizer)  # reading them validates them, before anything is traced
 
@@ -292,8 +293,8 @@ class OptimizerRule:
     def _hyper_values(self, optimizer) -> dict:
         """``hyperparameters`` as Python numbers."""
         return {
-            "loss_scaling": _optimizer_wide(optimizer, "loss_scaling"),
-            "max_grad_norm": _optimizer_wide(optimizer, "max_grad_norm"),
+            "loss_scaling": optimizer_wide(optimizer, "loss_scaling"),
+            "max_grad_norm": optimizer_wide(optimizer, "max_grad_norm"),
             "groups": tuple(self._group_hyper(group) for group in optimizer.param_groups),
         }
 
@@ -326,14 +327,14 @@ class OptimizerRule:
         return tuple(tuple(id(p) for p in group["params"]) for group in optimizer.param_groups)
 
     def _static(self, optimizer) -> tuple[dict, tuple]:
-        options = {"clip_grad_norm": math.isfinite(_optimizer_wide(optimizer, "max_grad_norm")),
-                   "accum_type": _optimizer_wide(optimizer, "accum_type"),
+        options = {"clip_grad_norm": math.isfinite(optimizer_wide(optimizer, "max_grad_norm")),
+                   "accum_type": optimizer_wide(optimizer, "accum_type"),
                    **self._read_options(optimizer)}
         return options, tuple(self._read_group_options(group) for group in optimizer.param_groups)
 
     def _changes(self, optimizer) -> list[str]:
         """How ``optimizer`` differs structurally from the one this rule was built for."""
-        if _rule_class(optimizer) is not type(self):
+        if algorithm_of(optimizer) != self.algorithm:
             return [f"the optimizer is a {type(optimizer).__name__}, this rule is {self.algorithm}'s"]
         if self._ids(optimizer) != self._param_ids:
             return ["its param groups hold other parameters"]
@@ -355,257 +356,29 @@ class OptimizerRule:
             raise Error(f"this {self.algorithm} rule was built for another optimizer's param groups")
 
 
-def _bias_correction(one_minus_beta, step):
-    """``1 - beta**step`` without float32 cancellation (torch computes it in float64)."""
-    return -jnp.expm1(step.astype(jnp.float32) * jnp.log1p(-one_minus_beta))
-
-
-def _adam_direction(grad, moments, step, hyper, *, bias_correction: bool, amsgrad: bool):
-    """Adam's ``m̂ / (sqrt(v̂) + eps)`` and the new moments, in torch's order of operations;
-    AMSGrad keeps the maximum of the raw second moment, PopTorch's no-bias variant uses m, v."""
-    exp_avg = moments["exp_avg"] + hyper["one_minus_beta1"] * (grad - moments["exp_avg"])
-    exp_avg_sq = moments["exp_avg_sq"] * hyper["beta2"] + hyper["one_minus_beta2"] * grad * grad
-    new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    second = exp_avg_sq
-    if amsgrad:
-        second = new["max_exp_avg_sq"] = jnp.maximum(moments["max_exp_avg_sq"], exp_avg_sq)
-    if not bias_correction:
-        return exp_avg / (jnp.sqrt(second) + hyper["eps"]), new
-    bias1 = _bias_correction(hyper["one_minus_beta1"], step)
-    bias2 = _bias_correction(hyper["one_minus_beta2"], step)
-    return (exp_avg / bias1) / (jnp.sqrt(second) / jnp.sqrt(bias2) + hyper["eps"]), new
-
-
-def _betas(group) -> dict:
-    """Adam's betas and, computed in float64 here, their complements: ``1 - beta`` in float32
-    loses up to 1e-5 of itself for beta = 0.999, which torch (float64 scalars) does not."""
-    beta1, beta2 = (float(beta) for beta in group["betas"])
-    return {"beta1": beta1, "beta2": beta2, "one_minus_beta1": 1 - beta1, "one_minus_beta2": 1 - beta2}
-
-
-class _SGDRule(OptimizerRule):
-    """torch's SGD (first step: the buffer is the gradient, undampened) with PopTorch's combined
-    variant, whose buffer holds ``velocity_scaling`` × the velocity and whose learning rate is
-    divided by it (so lowering the scaling mid-run over-estimates the velocity for a while)."""
-
-    algorithm = "SGD"
-
-    def _read_options(self, optimizer):
-        return {"use_combined_accum": _optimizer_wide(optimizer, "use_combined_accum"),
-                "velocity_accum_type": _state_dtype(optimizer, "velocity_accum_type")}
-
-    def _read_group_options(self, group):
-        return {"momentum": group["momentum"] != 0, "nesterov": bool(group["nesterov"]),
-                "maximize": bool(group.get("maximize", False))}
-
-    def _group_hyper(self, group):
-        return {"lr": group["lr"], "momentum": group["momentum"],
-                "one_minus_dampening": 1 - float(group["dampening"]),
-                "weight_decay": group["weight_decay"],
-                "velocity_scaling": group.get("velocity_scaling", _OPTION_DEFAULTS["velocity_scaling"])}
-
-    def _slots(self, options):
-        if not options["momentum"]:
-            return {}
-        return {"momentum_buffer": (self._options["velocity_accum_type"], 0.0)}
-
-    def _step(self, param, grad, moments, step, hyper, options):
-        if options["maximize"]:
-            grad = -grad
-        grad = grad + hyper["weight_decay"] * param
-        if not options["momentum"]:
-            return param - hyper["lr"] * grad, {}
-        lr = hyper["lr"]
-        if self._options["use_combined_accum"]:
-            grad = hyper["velocity_scaling"] * grad
-            lr = lr / hyper["velocity_scaling"]
-        later = hyper["momentum"] * moments["momentum_buffer"] + hyper["one_minus_dampening"] * grad
-        buffer = jnp.where(step == 1, grad, later)
-        direction = grad + hyper["momentum"] * buffer if options["nesterov"] else buffer
-        return param - lr * direction, {"momentum_buffer": buffer}
-
-    def _velocity_scale(self, group) -> float:
-        if not self._options["use_combined_accum"]:
-            return 1.0
-        return group.get("velocity_scaling", _OPTION_DEFAULTS["velocity_scaling"])
-
-    def _to_torch(self, slots, group, options):
-        """torch keeps only the (unscaled) buffer, once a step has made one."""
-        if not options["momentum"] or int(slots["step"]) == 0:
-            return {}
-        scaled = slots["momentum_buffer"]
-        buffer = np.array(scaled.astype(np.float32) / self._velocity_scale(group), scaled.dtype)
-        return {"momentum_buffer": torch.from_numpy(buffer)}
-
-    def _from_torch(self, torch_state, fresh, group, options, name):
-        buffer = torch_state.get("momentum_buffer")
-        if not options["momentum"] or buffer is None:
-            return fresh
-        buffer = self._slot_from_torch(buffer, fresh["momentum_buffer"], name, "momentum_buffer")
-        scaled = buffer.astype(jnp.float32) * self._velocity_scale(group)
-        return {"step": jnp.asarray(1, jnp.int32), "momentum_buffer": scaled.astype(buffer.dtype)}
-
-
-class _AdamRule(OptimizerRule):
-    """torch's Adam and AdamW (``decoupled_weight_decay``), AMSGrad and maximize included, and
-    PopTorch's AdamW without bias correction."""
-
-    algorithm = "Adam"
-
-    def _read_options(self, optimizer):
-        return {"bias_correction": _optimizer_wide(optimizer, "bias_correction"),
-                **_moment_dtypes(optimizer)}
-
-    def _read_group_options(self, group):
-        return {"amsgrad": bool(group["amsgrad"]), "maximize": bool(group.get("maximize", False)),
-                "decoupled_weight_decay": bool(group.get("decoupled_weight_decay", False))}
-
-    def _group_hyper(self, group):
-        return {"lr": group["lr"], **_betas(group), "eps": group["eps"],
-                "weight_decay": group["weight_decay"]}
-
-    def _slots(self, options):
-        first = self._options["first_order_momentum_accum_type"]
-        second = self._options["second_order_momentum_accum_type"]
-        slots = {"exp_avg": (first, 0.0), "exp_avg_sq": (second, 0.0)}
-        if options["amsgrad"]:
-            slots["max_exp_avg_sq"] = (second, 0.0)
-        return slots
-
-    def _step(self, param, grad, moments, step, hyper, options):
-        if options["maximize"]:
-            grad = -grad
-        if not options["decoupled_weight_decay"]:
-            grad = grad + hyper["weight_decay"] * param
-        direction, moments = _adam_direction(grad, moments, step, hyper, amsgrad=options["amsgrad"],
-                                             bias_correction=self._options["bias_correction"])
-        if options["decoupled_weight_decay"]:
-            param = param * (1 - hyper["lr"] * hyper["weight_decay"])
-        return param - hyper["lr"] * direction, moments
-
-
-class _RMSpropRule(OptimizerRule):
-    """torch's RMSprop (centered, momentum, maximize) and PopTorch's TensorFlow variant: mean
-    square starting at one, ``eps`` inside the square root, ``lr`` folded into the momentum
-    buffer."""
-
-    algorithm = "RMSprop"
-
-    def _read_options(self, optimizer):
-        return {"use_tf_variant": _optimizer_wide(optimizer, "use_tf_variant"),
-                **_moment_dtypes(optimizer)}
-
-    def _read_group_options(self, group):
-        return {"momentum": group["momentum"] > 0, "centered": bool(group["centered"]),
-                "maximize": bool(group.get("maximize", False))}
-
-    def _group_hyper(self, group):
-        return {"lr": group["lr"], "alpha": group["alpha"],
-                "one_minus_alpha": 1 - float(group["alpha"]), "eps": group["eps"],
-                "weight_decay": group["weight_decay"], "momentum": group["momentum"]}
-
-    def _slots(self, options):
-        first = self._options["first_order_momentum_accum_type"]
-        second = self._options["second_order_momentum_accum_type"]
-        slots = {"square_avg": (second, 1.0 if self._options["use_tf_variant"] else 0.0)}
-        if options["momentum"]:
-            slots["momentum_buffer"] = (first, 0.0)
-        if options["centered"]:
-            slots["grad_avg"] = (first, 0.0)
-        return slots
-
-    def _step(self, param, grad, moments, step, hyper, options):
-        if options["maximize"]:
-            grad = -grad
-        grad = grad + hyper["weight_decay"] * param
-        square_avg = moments["square_avg"] * hyper["alpha"] + hyper["one_minus_alpha"] * grad * grad
-        new = {"square_avg": square_avg}
-        variance = square_avg
-        if options["centered"]:
-            grad_avg = moments["grad_avg"] + hyper["one_minus_alpha"] * (grad - moments["grad_avg"])
-            new["grad_avg"] = grad_avg
-            variance = square_avg - grad_avg * grad_avg
-        if self._options["use_tf_variant"]:
-            direction = grad / jnp.sqrt(variance + hyper["eps"])
-        else:
-            direction = grad / (jnp.sqrt(variance) + hyper["eps"])
-        if not options["momentum"]:
-            return param - hyper["lr"] * direction, new
-        if self._options["use_tf_variant"]:
-            buffer = moments["momentum_buffer"] * hyper["momentum"] + hyper["lr"] * direction
-            new["momentum_buffer"] = buffer
-            return param - buffer, new
-        buffer = new["momentum_buffer"] = moments["momentum_buffer"] * hyper["momentum"] + direction
-        return param - hyper["lr"] * buffer, new
-
-
-class _LAMBRule(OptimizerRule):
-    """PopTorch's LAMB (see ``ipu_backend.optim.LAMB``): Adam's direction plus decoupled weight
-    decay, scaled per tensor by the trust ratio ``min(|w|, max_weight_norm) / |update|``."""
-
-    algorithm = "LAMB"
-
-    def _read_options(self, optimizer):
-        return {"bias_correction": _optimizer_wide(optimizer, "bias_correction"),
-                **_moment_dtypes(optimizer)}
-
-    def _group_hyper(self, group):
-        return {"lr": group["lr"], **_betas(group), "eps": group["eps"],
-                "weight_decay": group["weight_decay"], "max_weight_norm": group["max_weight_norm"]}
-
-    def _slots(self, options):
-        return {"exp_avg": (self._options["first_order_momentum_accum_type"], 0.0),
-                "exp_avg_sq": (self._options["second_order_momentum_accum_type"], 0.0)}
-
-    def _step(self, param, grad, moments, step, hyper, options):
-        direction, moments = _adam_direction(grad, moments, step, hyper, amsgrad=False,
-                                             bias_correction=self._options["bias_correction"])
-        update = direction + hyper["weight_decay"] * param
-        weight_norm = jnp.minimum(_l2_norm(param), hyper["max_weight_norm"])
-        update_norm = _l2_norm(update)
-        trust = jnp.where((weight_norm > 0) & (update_norm > 0), weight_norm / update_norm, 1.0)
-        return param - (hyper["lr"] * trust) * update, moments
-
-
-UPDATE_RULES = {"SGD": _SGDRule, "Adam": _AdamRule, "RMSprop": _RMSpropRule, "LAMB": _LAMBRule}
-"""The update rules by algorithm name."""
-_RULES = [
-    (torch.optim.SGD, _SGDRule), (torch.optim.AdamW, _AdamRule), (torch.optim.Adam, _AdamRule),
-    (torch.optim.RMSprop, _RMSpropRule),
+_ALGORITHMS = [
+    (torch.optim.SGD, "SGD"), (torch.optim.AdamW, "Adam"), (torch.optim.Adam, "Adam"),
+    (torch.optim.RMSprop, "RMSprop"),
 ]
-"""Optimizer classes and their rules, most derived first (torch's AdamW, an Adam, before Adam)."""
+"""Optimizer classes and the algorithm of their update, most derived first (torch's AdamW, an
+Adam, before Adam)."""
 
 
-def register_optimizer(optimizer_class: type, algorithm: str) -> None:
-    """Run ``optimizer_class`` (and its subclasses that keep its ``step``) with the update rule of
-    ``algorithm`` (a key of :data:`UPDATE_RULES`), ahead of the classes registered before it:
-    ``ipu_backend.optim`` registers PopTorch's optimizers this way."""
-    _RULES.insert(0, (optimizer_class, UPDATE_RULES[algorithm]))
+def register_algorithm(optimizer_class: type, algorithm: str) -> None:
+    """Update ``optimizer_class`` with ``algorithm``, ahead of the classes registered before it
+    (see ``algorithms.register_optimizer``)."""
+    _ALGORITHMS.insert(0, (optimizer_class, algorithm))
 
 
-def _rule_class(optimizer: torch.optim.Optimizer) -> type[OptimizerRule]:
-    for base, rule in _RULES:
+def algorithm_of(optimizer: torch.optim.Optimizer) -> str:
+    """The name of the update rule that runs ``optimizer``."""
+    for base, algorithm in _ALGORITHMS:
         if isinstance(optimizer, base):
             if inspect.unwrap(type(optimizer).step) is not inspect.unwrap(base.step):
                 raise Error(f"{type(optimizer).__qualname__} overrides step() of {base.__module__}."
                             f"{base.__qualname__}: a custom update cannot be compiled; use the "
                             "optimizer it derives from")
-            return rule
+            return algorithm
     raise Error(f"optimizer {type(optimizer).__module__}.{type(optimizer).__qualname__} is not "
                 "supported; use SGD, Adam, AdamW or RMSprop (torch.optim or poptorch.optim) or "
                 "poptorch.optim.LAMB")
-
-
-def optimizer_rule(optimizer: torch.optim.Optimizer, param_names: Mapping[int, str], stacks=(),
-                   without_gradient: frozenset = frozenset()) -> OptimizerRule:
-    """The update rule of ``optimizer`` (torch's SGD, Adam, AdamW, RMSprop or ours, LAMB too),
-    ``param_names`` mapping ``id(parameter) -> name``; the members of each of ``stacks`` are
-    updated as one stacked array under its key (each within one param group); the parameters
-    ``without_gradient`` are left as they are (see :class:`OptimizerRule`). An optimizer that
-    keeps the names (PopTorch's ``ipu_state``/``ipu_param`` entries name parameters) is told them
-    through ``_record_param_names``."""
-    rule = _rule_class(optimizer)(optimizer, param_names, stacks, without_gradient)
-    record = getattr(optimizer, "_record_param_names", None)
-    if record is not None:
-        record(param_names)
-    return rule
