@@ -213,7 +213,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
                     *self._call_arguments(compiled, args, self._param_groups(), advance=False)))
             return recording.programs
         executables = [p for stage in compiled.call.stages for p in stage.programs.values()]
-        rule, loss_index = self._rule_and_loss(compiled.program)
+        rule, loss_index, _ = self._rule_and_loss(compiled.program)
         schedule = self._schedule()
         with executables_from(serialization.Recording(executables)) as recording:
             self._split_program(first_micro_batch(args, schedule), schedule, compiled.program, rule, loss_index)

@@ -121,10 +121,11 @@ class OptimizerRule:
         self.stacked = {stack.key: stack.members for stack in stacks}
         """Stack key -> its members: parameters updated as one array stacked on a leading axis
         (a loop's layers, see ``ipu_backend.compiler.layer_loops.Stack``), each member with a step
-        count of its own. No member is in ``without_gradient``."""
+        count of its own. A stack's members all have a gradient, or none has."""
         self._member_of = {name: (stack.key, index) for stack in stacks for index, name in enumerate(stack.members)}
         self.groups = self._stacked_groups(self.member_groups)
-        self.without_gradient = frozenset(without_gradient)
+        self.without_gradient = frozenset(without_gradient).union(
+            key for key, members in self.stacked.items() if without_gradient.issuperset(members))
         self.names = tuple(name for names in self.groups for name in names if name not in self.without_gradient)
         self._param_ids = self._ids(optimizer)
         self._options, self._group_options = self._static(optimizer)

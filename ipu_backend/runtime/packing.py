@@ -50,12 +50,12 @@ class Packing:
 
 def stacks_for_optimizer(stacks, optimizer, param_names: dict, without_gradient=frozenset()) -> tuple:
     """The ``stacks`` an optimizer can update whole: those whose members are all in one of its
-    param groups, or all outside it (``param_names``: ``id(parameter) -> name``), and all have a
-    gradient (none is in ``without_gradient``)."""
+    param groups, or all outside it (``param_names``: ``id(parameter) -> name``), and all or
+    none of them without a gradient (in ``without_gradient``)."""
     group_of = {param_names[id(p)]: index for index, group in enumerate(optimizer.param_groups)
                 for p in group["params"] if id(p) in param_names}
     return tuple(stack for stack in stacks if len({group_of.get(name) for name in stack.members}) == 1
-                 and not without_gradient.intersection(stack.members))
+                 and len({name in without_gradient for name in stack.members}) == 1)
 
 
 def _unpacked(packing: Packing, params: dict) -> dict:
