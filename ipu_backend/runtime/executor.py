@@ -106,9 +106,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
                                  PoplarExecutor._optimizer_state_loaded)
 
     def _check_settings(self) -> None:
-        if not self._settings.broadcast_buffers:
-            raise Error("Options.broadcastBuffers(False) (per-replica buffers) is not emulated: "
-                        "replicas start each step from replica 0's buffers; leave it True")
+        super()._check_settings()
         if not self._training and self._settings.gradient_accumulation != 1:
             staging = self._settings.staging
             pipelined = staging is None or (staging.pipelined and staging.phased is None)

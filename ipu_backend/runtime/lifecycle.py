@@ -194,6 +194,9 @@ class Executor:
     # --- for each kind ---------------------------------------------------------------------
     def _check_settings(self) -> None:
         """Refuse settings this kind cannot honour (before anything else is set up)."""
+        if not self._settings.broadcast_buffers:
+            raise Error("Options.broadcastBuffers(False) (per-replica buffers) is not emulated: "
+                        "replicas start each step from replica 0's buffers; leave it True")
 
     def _check_processes(self) -> None:
         """Several processes (``Options.Distributed``) must be the ones JAX connects."""

@@ -28,6 +28,16 @@ gradients, as on the CPU), each ``step`` unscales its optimizer's gradients and 
 one is not finite, and the scale is then updated (halved after a skipped step, doubled after
 ``SCALER_GROWTH_INTERVAL`` finite ones).
 
+The options apply as in the automatic step (``runtime/step.py``): gradients are reduced over the
+replicas by their mean or sum (``accumulationAndReplicationReductionType``), in each optimizer's
+``accum_type``; PopTorch's static ``loss_scaling`` (one value for every optimizer of the step)
+scales each backward's loss and is divided out of its gradients at once; half-precision weights
+are updated from float32 master copies (``Precision.enableMasterWeights``) and rounded back
+stochastically (``Precision.enableStochasticRounding``); the optimizer state lives in host
+memory between calls when ``TensorLocations.setOptimizerLocation`` puts it off chip. Options the
+step cannot honour (gradient accumulation, several processes, per-replica buffers, a model split
+over IPUs) are refused.
+
 With ``device_iterations`` > 1 one call runs that many training steps; the optimizers'
 hyper-parameters of each come from the host, where ``step_schedulers(events)`` (given by the
 caller) steps the schedulers the step steps between them, as Lightning would after each training
@@ -56,12 +66,14 @@ from ipu_backend.errors import Error
 from ipu_backend.runtime.clipping import GradientClipping
 from ipu_backend.runtime.devices import REPLICA
 from ipu_backend.runtime.lifecycle import CompiledStep, Executor, first_micro_batch, input_signature, optimizer_state
+from ipu_backend.runtime.multi_ipu_builder import check_ipu_count
 from ipu_backend.runtime.module_modes import capture_modes
 from ipu_backend.runtime.algorithms import optimizer_rule
 from ipu_backend.runtime.outputs import inputs_to_device
 from ipu_backend.runtime.random_state import restore_random_state
 from ipu_backend.runtime.recording import BACKWARD, MANUAL, UPDATE
 from ipu_backend.runtime.schedule import Schedule
+from ipu_backend.runtime.stages import has_blocks
 from ipu_backend.runtime.step import (
     OutputLayout,
     call_key,
@@ -70,7 +82,9 @@ from ipu_backend.runtime.step import (
     initial_scaler,
     iteration_keys,
     loop_scan,
+    master_copy,
     next_scaler,
+    optimizer_update,
     per_device,
     replica_keys,
     replica_sum,
@@ -108,15 +122,19 @@ class SchedulerStep:
     scheduler: int
 
 
+def optimizer_groups(module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> tuple:
+    """The names of each optimizer's parameters."""
+    names = {id(p): n for n, p in torch.nn.Module.named_parameters(module)}
+    return tuple(tuple(names[id(p)] for g in opt.param_groups for p in g["params"]) for opt in optimizers)
+
+
 class StepEvents:
     """What a manual training step does, recorded while it is captured."""
 
     def __init__(self, module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]):
         self._module = module
         self._parameters = list(torch.nn.Module.named_parameters(module))
-        names = {id(p): n for n, p in self._parameters}
-        self.groups = tuple(tuple(names[id(p)] for g in opt.param_groups for p in g["params"])
-                            for opt in optimizers)
+        self.groups = optimizer_groups(module, optimizers)
         self.events: list = []
         self.losses: list = []
         self._versions = None
@@ -179,13 +197,15 @@ class ManualStepExecutor(Executor):
                  recorder=None):
         super().__init__(model, options, True, step_method, recorder)
         self._optimizers = list(optimizers)
+        self._groups = optimizer_groups(model, self._optimizers)
         self._intercept = intercept
         self._step_schedulers = step_schedulers
-        self._scaler = initial_scaler() if self._settings.auto_loss_scaling else None
+        self._scaler = None
         self._opt_states = None
         self.last_events: tuple = ()
 
     def _check_settings(self) -> None:
+        super()._check_settings()
         if self._settings.processes > 1:
             raise Error("manual optimization runs in one process: its replicas cannot be spread over "
                         f"{self._settings.processes} processes (Options.Distributed, Trainer(num_nodes=...))")
@@ -205,15 +225,17 @@ class ManualStepExecutor(Executor):
         inputs = inputs_to_device(args, schedule, mesh)
         self._start()
         params, buffers = self._store.device_state()
-        hypers = self._hyperparameters(compiled, schedule.device_iterations)
+        hypers, loss_scale = self._hyperparameters(compiled, schedule.device_iterations)
         if self._opt_states is None:
-            self._opt_states = tuple(optimizer_state(rule, opt, params)
-                                     for rule, opt in zip(compiled.rules, self._optimizers))
+            self._opt_states = tuple(self._optimizer_state(rule, opt, params, group)
+                                     for rule, opt, group in zip(compiled.rules, self._optimizers, self._groups))
+        if self._scaler is None and schedule.dynamic_loss_scaling:
+            self._scaler = initial_scaler(loss_scale if loss_scale != 1.0 else None)
         index = self._next_call_index()
         state = jax.device_put({"params": params, "buffers": buffers, "opt": self._opt_states,
                                 "scaler": self._scaler}, NamedSharding(mesh, P()))
         call_args = (state, inputs, hypers, self._base_key(), np.uint32(index))
-        self._ensure_executable(compiled, call_args)
+        self._ensure_executable(compiled, call_args, optimizer_offloaded=not self._settings.optimizer_on_chip)
         return self._run(compiled, call_args, args)
 
     @property
@@ -231,12 +253,6 @@ class ManualStepExecutor(Executor):
         return None if self._scaler is None else float(self._scaler["scale"])
 
     # --- the life cycle's steps for this kind ----------------------------------------------
-    def _make_schedule(self) -> Schedule:
-        settings = self._settings
-        return Schedule(device_iterations=settings.device_iterations, accumulation=1,
-                        replicas=settings.replication_factor, output_mode=settings.output_mode or "final",
-                        output_period=settings.output_period)
-
     def _kind(self, compiled: CompiledStep) -> str:
         return "manual training"
 
@@ -251,22 +267,52 @@ class ManualStepExecutor(Executor):
         return self._optimizers
 
     def _device_optimizer_states(self) -> tuple | None:
-        return self._opt_states
+        if self._opt_states is None or not self._schedule().master_weights:
+            return self._opt_states
+        return tuple(state["rule"] for state in self._opt_states)
 
     def _keep(self, compiled: CompiledStep, state: dict) -> None:
         self._opt_states, self._scaler = state["opt"], state["scaler"]
         self.last_events = compiled.events
+        if not self._settings.optimizer_on_chip:
+            host_memory = NamedSharding(self._mesh(), P(), memory_kind="pinned_host")
+            self._opt_states = jax.device_put(self._opt_states, host_memory)
+
+    def _host_weights_loaded(self, names: set) -> None:
+        """Float32 master copies of weights written on the host follow them."""
+        if self._opt_states is None or not self._schedule().master_weights:
+            return
+        fresh = master_copy({n: self._store.params[n] for n in names})
+        self._opt_states = tuple({"rule": state["rule"],
+                                  "master": {n: fresh.get(n, v) for n, v in state["master"].items()}}
+                                 for state in self._opt_states)
 
     # --- internals -------------------------------------------------------------------------
     def _hyperparameters(self, compiled: CompiledStep, iterations: int):
         """Each optimizer's hyper-parameters for each training step of the call (stacked on a
-        leading axis), the schedulers the step steps stepped on the host in between."""
+        leading axis), the schedulers the step steps stepped on the host in between; and the
+        first step's loss scale."""
         per_step = []
         for _ in range(iterations):
-            per_step.append(tuple(rule.hyperparameters(opt) for rule, opt in zip(compiled.rules, self._optimizers)))
+            hypers = tuple(rule.hyperparameters(opt) for rule, opt in zip(compiled.rules, self._optimizers))
+            scales = sorted({float(rule.loss_scale(h)) for rule, h in zip(compiled.rules, hypers)})
+            if len(scales) > 1:
+                raise Error(f"the optimizers of a manual-optimization step set different loss_scaling values "
+                            f"({', '.join(map(str, scales))}): one backward pass scales its loss once, so give "
+                            "every optimizer the same loss_scaling")
+            per_step.append(hypers)
             if self._step_schedulers is not None:
                 self._step_schedulers(compiled.events)
-        return jax.tree.map(lambda *values: np.stack(values), *per_step)
+        first_scale = float(compiled.rules[0].loss_scale(per_step[0][0]))
+        return jax.tree.map(lambda *values: np.stack(values), *per_step), first_scale
+
+    def _optimizer_state(self, rule, optimizer, params: dict, group: tuple):
+        """An optimizer's state on the device; with master weights, with the float32 master
+        copies of its half-precision parameters."""
+        state = optimizer_state(rule, optimizer, params)
+        if not self._schedule().master_weights:
+            return state
+        return {"rule": state, "master": master_copy({n: params[n] for n in group})}
 
     def _compile(self, args: tuple) -> CompiledStep:
         signature = (float32_precision.program_key(),) + input_signature(args)
@@ -315,6 +361,11 @@ class ManualStepExecutor(Executor):
         versions = tuple({n: torch.zeros_like(params[n]) for n in events.groups[s.optimizer]} for s in steps)
         program = self._capture(micro, events, versions)
         program.refuse_mutated_inputs("a manual-optimization step")
+        if has_blocks(program.graph_module):
+            raise Error(f"{self._step_method} is a manual-optimization step of a model split over IPUs "
+                        "(BeginBlock, Block, Stage): manual optimization runs each replica on one IPU; "
+                        "remove the blocks or use automatic optimization")
+        check_ipu_count(schedule.replicas, self._settings.auto_round_num_ipus)
         names = {id(p): n for n, p in params.items()}
         rules = tuple(optimizer_rule(opt, names) for opt in self._optimizers)
         layout = OutputLayout()
@@ -324,7 +375,8 @@ class ManualStepExecutor(Executor):
         totals = totals_of(program.logs)
         log_dtypes.update({name + TOTAL_SUFFIX: log_dtypes[name] for name in totals})
         call = _manual_call(program, micro, tuple(events.events), events.groups, rules, schedule,
-                            self._mesh(), layout, totals, self._scaler is not None)
+                            self._mesh(), layout, totals,
+                            tuple(sorted(n for n, p in params.items() if p.dtype in (torch.float16, torch.bfloat16))))
         return CompiledStep(call, program, layout, [n.meta["val"].dtype for n in results], log_dtypes,
                             rules, events=tuple(events.events))
 
@@ -349,16 +401,39 @@ def _chosen(keep, new, old):
     return jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, old)
 
 
+def _kept_state(old: dict, new: dict, present: list, keep, master_weights: bool) -> dict:
+    """An optimizer's state after a step: the new state of the parameters that had a gradient
+    (where ``keep``), the old state of the others (torch's step skips them); with master
+    weights, their master copies likewise."""
+    def kept(old_part, new_part):
+        part = dict(old_part)
+        for name in present:
+            if name in part:
+                part[name] = _chosen(keep, new_part[name], part[name])
+        return part
+
+    if not master_weights:
+        return kept(old, new)
+    return {"rule": kept(old["rule"], new["rule"]), "master": kept(old["master"], new["master"])}
+
+
 def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tuple, schedule: Schedule,
-                 mesh, layout: OutputLayout, totals: dict, loss_scaling: bool):
+                 mesh, layout: OutputLayout, totals: dict, half: tuple):
     """``call(state, inputs, hypers, key, index) -> (state, outputs, logs)``, jitted over the mesh,
     with ``hypers`` per training step (leading axis); ``key`` and ``index``: see
     :func:`~ipu_backend.runtime.step.call_key`; the logged metric states in ``totals`` also come
-    reduced over every micro-batch; ``loss_scaling``: torch's GradScaler (``state["scaler"]``)."""
+    reduced over every micro-batch; ``half``: the model's half-precision parameters (those the
+    optimizer steps round back to their dtype). With dynamic loss scaling (``schedule``), ``state["scaler"]``
+    is torch's GradScaler. The random keys are the automatic step's: each replica's from the
+    iteration's key folded with 0 (its micro-batch), the rounding of the optimizer step that
+    makes version ``v`` from it folded with ``1 + v`` (the automatic step's one update: 1)."""
     leaves, spec = torch_pytree.tree_flatten(micro)
     is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
     local = schedule.replicas // mesh.size
     steps = [e for e in events if isinstance(e, Step)]
+    loss_scaling = schedule.dynamic_loss_scaling
+    reduction = schedule.replicas if schedule.mean_reduction else 1
+    accum_dtypes = {name: rule.accum_dtype for rule, names in zip(rules, groups) for name in names}
 
     def evaluate(params, buffers, arrays, versions, key):
         """The step's program: ``((result, losses), new_buffers, logs)``."""
@@ -380,7 +455,8 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
         params, buffers, opt_states, scaler = carry
         inputs, key, hypers = xs                                # inputs: [1, r, m, ...]
         inputs = jax.tree.map(lambda x: x[0], inputs)
-        keys = replica_keys(key, local, mesh.size)
+        keys = replica_keys(jax.random.fold_in(key, 0), local, mesh.size)
+        static_scale = 1.0 if loss_scaling else rules[0].loss_scale(hypers[0])
         current = dict(params)
         latest = dict.fromkeys(params)
         versions = [{n: params[n] for n in groups[s.optimizer]} for s in steps]
@@ -393,7 +469,7 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
                     p, v = with_targets(params, versions, latest, targets)
                     (_, losses), _, _ = evaluate(p, buffers, replica_inputs, v, replica_key)
                     loss_value = losses[event.loss].astype(jnp.float32)
-                    return loss_value * scaler["scale"] if loss_scaling else loss_value
+                    return loss_value * (scaler["scale"] if loss_scaling else static_scale)
 
                 targets = {n: current[n] for n in event.targets}
                 first = (jax.tree.map(lambda x: x[0], inputs), keys[0])
@@ -402,7 +478,8 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
                 reached = {n for n, u in zip(sorted(targets), used) if u}
                 value = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(targets, inputs, keys)
                 for name in sorted(reached):
-                    g = replica_sum(value[name].sum(0), mesh.size) / schedule.replicas
+                    summed = value[name].astype(accum_dtypes.get(name, value[name].dtype)).sum(0)
+                    g = replica_sum(summed, mesh.size) / (jnp.float32(reduction) * static_scale)
                     grads[name] = grads[name] + g if name in grads else g
             elif isinstance(event, ZeroGrad):
                 for name in groups[event.optimizer]:
@@ -417,16 +494,18 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
                 rule = rules[event.optimizer]
                 unscale = (lambda g: g / scaler["scale"]) if loss_scaling else (lambda g: g)
                 full = {n: unscale(grads[n]) if n in grads else jnp.zeros_like(current[n]) for n in rule.names}
-                new_params, new_state = rule.update(full, opt_states[event.optimizer], current, hypers[event.optimizer])
-                state = dict(opt_states[event.optimizer])
+                owned = {n: current[n] for n in groups[event.optimizer]}
+                new_params, new_state = optimizer_update(
+                    rule, full, opt_states[event.optimizer], owned, hypers[event.optimizer],
+                    jax.random.fold_in(key, 1 + event.version), schedule, half)
                 present = [n for n in rule.names if n in grads]
                 keep = _all_finite([full[n] for n in present]) if loss_scaling else True
                 for name in present:
                     current[name] = _chosen(keep, new_params[name], current[name])
-                    state[name] = _chosen(keep, new_state[name], state[name])
+                opt_states[event.optimizer] = _kept_state(opt_states[event.optimizer], new_state, present, keep,
+                                                          schedule.master_weights)
                 if loss_scaling:
                     scaler = next_scaler(scaler, keep)
-                opt_states[event.optimizer] = state
                 versions[event.version] = {n: current[n] for n in groups[event.optimizer]}
                 for name in groups[event.optimizer]:
                     latest[name] = event.version
