@@ -30,7 +30,7 @@ class AsynchronousDataAccessor:
                  sharing_strategy: SharingStrategy = SharingStrategy.ForkServer,
                  rebatched_size: int | None = None):
         self._iterator = None
-        if isinstance(dataset, DataLoader) and dataset._mode is not DataLoaderMode.Sync:
+        if isinstance(dataset, DataLoader) and dataset.mode is not DataLoaderMode.Sync:
             raise Error("The DataLoader already uses an AsynchronousDataAccessor internally. Either "
                         "use the existing one or set mode='poptorch.DataLoaderMode.Sync' in the "
                         "DataLoader.")

@@ -1091,6 +1091,9 @@ class Options(_OptionGroup):
             auto_round_num_ipus=self.auto_round_num_ipus,
             recomputation=int(getattr(recomputation, "value", recomputation)),
             ipu_spec=self.ipu_spec, memory_check=self.memory_check, staging=_staging(self.execution_strategy),
+            loop_repeated_layers=self.loop_repeated_layers,
+            updatable_named_buffers=tuple(self.updatable_named_buffers), log_cycle_count=self.log_cycle_count,
+            compilation_time_shown=self.show_compilation_progress_bar,
             key=repr((sorted(self.toDict().items()), self.Distributed.numProcesses)))
 
     def _groups(self) -> tuple[_OptionGroup, ...]:

@@ -1,7 +1,7 @@
 """The layers of docs/architecture.md hold: every import points down (or stays in its layer), no
 modules import each other in a circle (but the lowering registry, which imports its lowerings
 when first asked), the Lightning face stands on ``ipu_backend`` and its seam only, and no runtime
-module grows past one idea. Imports inside functions count: they would hide a circle."""
+module grows past one idea; the runtime reads the options as ``RunSettings`` only. Imports inside functions count: they would hide a circle."""
 
 import ast
 from pathlib import Path
@@ -14,6 +14,8 @@ LAYERS = ("foundation", "compiler", "runtime", "profiling", "api", "lightning")
 REGISTRY_IDIOM = "ipu_backend.compiler.registry"
 LIGHTNING_MAY_IMPORT = {"ipu_backend", "ipu_backend.lightning_seam"}
 RUNTIME_MAX_LINES = 600
+OPTIONS_CALLS_IN_THE_RUNTIME = {"for_model", "runtime_settings"}
+"""What the runtime may ask of an ``ipu_backend.Options``: a model's frozen copy, and its settings."""
 
 
 def module_files() -> dict[str, Path]:
@@ -130,3 +132,17 @@ def test_no_runtime_module_is_over_the_size_of_one_idea():
     long = {path.name: n for path in (ROOT / "ipu_backend/runtime").glob("*.py")
             if (n := len(path.read_text().splitlines())) > RUNTIME_MAX_LINES}
     assert long == {}
+
+
+def is_options(node: ast.expr) -> bool:
+    """Whether ``node`` is an executor's options as the runtime spells them (``self._options``,
+    ``executor.options``)."""
+    return isinstance(node, ast.Attribute) and node.attr in ("options", "_options")
+
+
+def test_the_runtime_reads_the_options_as_run_settings():
+    reads = [f"{path.name}:{node.lineno} .{node.attr}" for path in sorted((ROOT / "ipu_backend/runtime").glob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and is_options(node.value)
+             and node.attr not in OPTIONS_CALLS_IN_THE_RUNTIME]
+    assert reads == []

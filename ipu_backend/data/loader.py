@@ -152,6 +152,11 @@ class DataLoader(torch.utils.data.DataLoader):
         """The (frozen) options this loader was built with."""
         return self._options
 
+    @property
+    def mode(self) -> DataLoaderMode:
+        """How the loader fetches its items (beyond PopTorch): ``Sync``, or ahead of use."""
+        return self._mode
+
     def __len__(self) -> int:
         if self._rebatch_size is not None:
             whole, rest = divmod(len(self.dataset), self._rebatch_size)

@@ -237,7 +237,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         device (the other weights stay as the device has them)."""
         if not self.isCompiled():
             raise Error(NO_EXECUTABLE)
-        names = self._options.updatable_named_buffers
+        names = self._settings.updatable_named_buffers
         if not names:
             raise Error("No named buffers marked as updatable via updatableNamedBuffers option")
         self._store.load_buffers_from_host(names)
@@ -474,7 +474,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         try:
             with capture_modes(model, self._training, self._step_method):
                 program = compile_module(model, micro, method=self._step_method, keywords=keywords,
-                                         loop_repeated_layers=self._options.loop_repeated_layers)
+                                         loop_repeated_layers=self._settings.loop_repeated_layers)
         finally:
             compile_hooks.run(compile_hooks.POST_COMPILE)
         layout = OutputLayout()

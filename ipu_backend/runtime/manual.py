@@ -338,7 +338,7 @@ class ManualStepExecutor(Executor):
         try:
             with capture_modes(model, True, self._step_method):
                 return compile_module(model, micro if versions is None else (*micro, versions),
-                                      method=_STEP_ATTRIBUTE, loop_repeated_layers=self._options.loop_repeated_layers)
+                                      method=_STEP_ATTRIBUTE, loop_repeated_layers=self._settings.loop_repeated_layers)
         finally:
             object.__delattr__(model, _STEP_ATTRIBUTE)
 

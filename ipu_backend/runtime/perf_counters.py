@@ -35,7 +35,7 @@ def now() -> float:
 class ExecutionCounters:
     """PopTorch's ``compilationTime``, ``cycleCount``, ``getPerfCounters`` and latencies; mixed into
     the executor, which sets ``_last_marks`` after each call and ``seconds`` on each compiled
-    program."""
+    program, and reads its options as ``_settings`` (a ``RunSettings``)."""
 
     _last_marks: CallMarks | None = None
 
@@ -45,14 +45,14 @@ class ExecutionCounters:
         compiled = self._timed_program()
         if compiled is None:
             raise Error("Please compile the model before obtaining compilation time.")
-        if not self._options.show_compilation_progress_bar:
+        if not self._settings.compilation_time_shown:
             raise Error("Please set showCompilationProgressBar option to obtain compilation time.")
         return datetime.timedelta(seconds=compiled.seconds)
 
     def cycleCount(self) -> int:  # noqa: N802
         """The compute time of the last call in Mk2 IPU cycles (measured time × 1.33 GHz);
         needs ``Options.logCycleCount(True)``, as in PopTorch."""
-        if not self._options.log_cycle_count:
+        if not self._settings.log_cycle_count:
             raise Error("Cycle count logging is disabled. Please set option logCycleCount to True "
                         "to enable.")
         marks = self._last_marks

@@ -78,6 +78,10 @@ class RunSettings:
     ipu_spec: IpuSpec = MK2
     memory_check: str = DEFAULT_CHECK
     staging: Staging | None = None          # None: no strategy set (a default PipelinedExecution)
+    loop_repeated_layers: bool = True       # runs of identical layers compile once, as one loop
+    updatable_named_buffers: tuple[str, ...] = ()   # what copyNamedBuffersToDevice copies
+    log_cycle_count: bool = False           # cycleCount answers
+    compilation_time_shown: bool = True     # compilationTime answers (showCompilationProgressBar)
     key: str = ""
     """Every setting of the options (the ones above and those without effect), as text: programs
     compiled with equal keys are interchangeable."""
