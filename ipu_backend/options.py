@@ -26,23 +26,26 @@ setters (see :meth:`Options.from_json`) applied to every new ``Options``.
 Options are frozen once a model or a :class:`ipu_backend.DataLoader` uses them: any setter then
 raises :class:`FrozenOptionsError` with PopTorch's message. :meth:`Options.clone` (like
 ``copy.deepcopy``) gives an unfrozen copy.
+
+The option groups (``opts.Training``...) live in ``option_groups.py``, the checks of the values
+options accept (and PopTorch's error types) in ``option_values.py``.
 """
 
+
 import copy
-import dataclasses
 import enum
-import functools
 import inspect
 import json
 import os
-from collections.abc import Iterable, Mapping
-from types import MappingProxyType, SimpleNamespace
-from typing import Any, Self, TypeVar
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Any, Self
 
 import torch
 
 from ipu_backend import enums
 from ipu_backend.blocks import PipelinedExecution, ShardedExecution, Stage
+from ipu_backend.distributed import environment as distributed_environment
 from ipu_backend.enums import (
     CommGroupType,
     ConnectionType,
@@ -51,527 +54,42 @@ from ipu_backend.enums import (
     ReductionType,
     SyncPattern,
 )
-from ipu_backend.distributed import environment as distributed_environment
 from ipu_backend.errors import Error
-from ipu_backend.hardware import DEFAULT_CHECK, MEMORY_CHECKS, MK2, IpuSpec
+from ipu_backend.hardware import DEFAULT_CHECK, MK2, IpuSpec
+from ipu_backend.option_groups import (
+    _LOCATION_KINDS,
+    TensorLocationSettings,
+    _DistributedOptions,
+    _emulated,
+    _JitOptions,
+    _OptionGroup,
+    _PopartOptions,
+    _PrecisionOptions,
+    _SharedState,
+    _TensorLocationOptions,
+    _TrainingOptions,
+    _unless_frozen,
+)
+from ipu_backend.option_values import (
+    ConfigFileError,
+    FailedCheck,
+    FrozenOptionsError,
+    InvalidArgument,
+    WrongArgumentType,
+    _bool,
+    _int_at_least,
+    _ipu_spec,
+    _memory_check,
+    _path_or_none,
+    _plain,
+    _str,
+    parse_member,
+)
 from ipu_backend.runtime.optimizers import needs_running_mean
 from ipu_backend.runtime.settings import UNSUPPORTED_STAGING, RunSettings, Staging
 
-
-class FrozenOptionsError(Error, AttributeError):
-    """A setter called on options that a model or a DataLoader already uses.
-
-    Also an ``AttributeError``, the type PopTorch raises here.
-    """
-
-
-class InvalidArgument(Error, ValueError):
-    """An option or argument whose value is out of range (also a ``ValueError``, as in PopTorch)."""
-
-
-class FailedCheck(Error, AssertionError):
-    """A value PopTorch checks with ``assert`` (also an ``AssertionError``, as in PopTorch)."""
-
-
-class WrongArgumentType(Error, TypeError):
-    """An option or argument of the wrong type (also a ``TypeError``)."""
-
-
-class ConfigFileError(Error):
-    """A line of a file given to :meth:`Options.loadFromFile` that is not valid Python."""
-
-
-_Member = TypeVar("_Member", bound=enum.Enum)
-
-
-def _int_at_least(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise WrongArgumentType(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise InvalidArgument(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise WrongArgumentType(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
-    return value
-
-
-def _str(value: Any, name: str) -> str:
-    if not isinstance(value, str):
-        raise WrongArgumentType(f"{name} must be a str, got {value!r} ({type(value).__name__})")
-    return value
-
-
-def _path_or_none(value: Any, name: str) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, (str, os.PathLike)):
-        raise WrongArgumentType(f"{name} must be a path (str) or None, got {value!r}")
-    return os.fspath(value)
-
-
-def parse_member(enum_type: type[_Member], value: Any, name: str,
-                 allowed: Iterable[_Member] | None = None) -> _Member:
-    """``value`` as a member of ``enum_type``: the member itself, or its name in any case.
-
-    ``allowed`` narrows the accepted members; the error lists exactly those.
-    """
-    allowed = tuple(enum_type if allowed is None else allowed)
-    if isinstance(value, enum_type):
-        member = value
-    elif isinstance(value, str):
-        member = {m.name.lower(): m for m in enum_type}.get(value.lower())
-    else:
-        member = None
-    if member in allowed:
-        return member
-    names = ", ".join(m.name for m in allowed)
-    raise InvalidArgument(
-        f"{name} must be one of {names} (poptorch.{enum_type.__name__} members, or their names "
-        f"in any case), got {value!r}")
-
-
-_PARTIALS_TYPES = {"float": torch.float32, "half": torch.float16}
-
-
-def _partials_type(value: Any) -> torch.dtype:
-    if isinstance(value, torch.dtype) and value in _PARTIALS_TYPES.values():
-        return value
-    if isinstance(value, str) and value.lower() in _PARTIALS_TYPES:
-        return _PARTIALS_TYPES[value.lower()]
-    raise InvalidArgument(
-        "partials_type must be torch.float or torch.half (or 'float' / 'half'), "
-        f"got {value!r}")
-
-
-def _ipu_spec(value: Any) -> IpuSpec:
-    """An :class:`IpuSpec`, or the mapping of its fields that ``toDict`` gives."""
-    if isinstance(value, IpuSpec):
-        return value
-    if isinstance(value, Mapping):
-        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(IpuSpec)})
-        if unknown:
-            raise InvalidArgument(f"ipu_spec has no field(s) {unknown}; its fields are memory_bytes, "
-                                  "tiles and name")
-        return IpuSpec(**value)
-    raise WrongArgumentType(f"ipu_spec must be a poptorch.IpuSpec (or a mapping of its fields), got "
-                            f"{value!r}")
-
-
-def _memory_check(value: Any) -> str:
-    if value not in MEMORY_CHECKS:
-        raise InvalidArgument(f"memory_check must be one of {', '.join(MEMORY_CHECKS)}, got {value!r}")
-    return value
-
-
-def _plain(value: Any) -> Any:
-    """A setting as ``toDict`` reports it: enums by member name, dtypes by partials type name, an
-    IPU spec as the mapping of its fields."""
-    if isinstance(value, IpuSpec):
-        return dataclasses.asdict(value)
-    if isinstance(value, enum.Enum):
-        return value.name
-    if isinstance(value, torch.dtype):
-        return next(name for name, dtype in _PARTIALS_TYPES.items() if dtype == value)
-    return value
-
-
-class _SharedState:
-    """What an Options object shares with its option groups: the frozen flag and the record of
-    inert settings (those whose value differs from PopTorch's default)."""
-
-    __slots__ = ("frozen", "recorded")
-
-    def __init__(self, recorded: dict[str, Any] | None = None) -> None:
-        self.frozen = False
-        self.recorded = {} if recorded is None else recorded
-
-    def __deepcopy__(self, memo: dict) -> "_SharedState":
-        """Copies are unfrozen, as PopTorch's (``clone`` and ``copy.deepcopy`` alike)."""
-        return _SharedState(copy.deepcopy(self.recorded, memo))
-
-
-def _unless_frozen(setter):
-    """Make ``setter`` raise PopTorch's error once its options are frozen."""
-
-    @functools.wraps(setter)
-    def checked_setter(self, *args, **kwargs):
-        if self._shared.frozen:
-            raise FrozenOptionsError("Can't modify frozen Options")
-        return setter(self, *args, **kwargs)
-
-    return checked_setter
-
-
-def _emulated(key: str, doc: str) -> property:
-    return property(lambda self: self._values[key], doc=doc)
-
-
-class _OptionGroup:
-    """One category of options (``opts.Training``, ``opts.Precision``, ...).
-
-    ``_values`` holds its emulated settings under their ``Options`` keyword names; ``_INERT``
-    names its inert settings and PopTorch's defaults for them, which read back as attributes.
-    """
-
-    __slots__ = ("_shared", "_values")
-    _INERT: dict[str, Any] = {}
-
-    def __init__(self, shared: _SharedState, **values: Any) -> None:
-        self._shared = shared
-        self._values = values
-
-    def _record(self, name: str, value: Any) -> None:
-        if value == self._INERT[name]:
-            self._shared.recorded.pop(name, None)
-        else:
-            self._shared.recorded[name] = value
-
-    def toDict(self) -> dict[str, Any]:
-        """This group's settings by name, as ``toDict`` reports values (PopTorch's
-        ``opts.Training.toDict()``); ``Options.toDict`` gives every group's."""
-        settings = {key: _plain(value) for key, value in self._values.items()}
-        settings.update((name, getattr(self, name)) for name in type(self)._INERT)
-        return settings
-
-    def __getattr__(self, name: str) -> Any:
-        if not name.startswith("_") and name in type(self)._INERT:
-            return copy.deepcopy(self._shared.recorded.get(name, self._INERT[name]))
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-
-class _TrainingOptions(_OptionGroup):
-    """Training options: ``opts.Training``."""
-
-    __slots__ = ()
-    _INERT = {"convolution_dithering": None}
-
-    gradient_accumulation = _emulated(
-        "gradient_accumulation",
-        "Micro-batches whose gradients are accumulated before each optimizer step.")
-    accumulation_and_replication_reduction_type = _emulated(
-        "reduction_type",
-        "How gradients are combined across accumulated micro-batches and replicas: "
-        "ReductionType.Mean or ReductionType.Sum.")
-    mean_reduction_strategy = _emulated(
-        "mean_reduction_strategy",
-        "When the mean reduction divides by the count (a MeanReductionStrategy).")
-    meanAccumulationAndReplicationReductionStrategy = _emulated(  # noqa: N815
-        "mean_reduction_strategy", "PopTorch's read-back name of ``mean_reduction_strategy``.")
-    auto_loss_scaling = _emulated("auto_loss_scaling", "Whether automatic loss scaling is on.")
-
-    @_unless_frozen
-    def gradientAccumulation(self, gradient_accumulation: int) -> Self:
-        """Accumulate the gradients of this many micro-batches before each optimizer step."""
-        self._values["gradient_accumulation"] = _int_at_least(
-            gradient_accumulation, "gradient_accumulation", 1)
-        return self
-
-    @_unless_frozen
-    def accumulationAndReplicationReductionType(self, reduction_type: ReductionType) -> Self:
-        """Average (``Mean``, the default) or sum (``Sum``) gradients over micro-batches and
-        replicas."""
-        self._values["reduction_type"] = parse_member(
-            ReductionType, reduction_type, "reduction_type",
-            (ReductionType.Sum, ReductionType.Mean))
-        return self
-
-    @_unless_frozen
-    def setMeanAccumulationAndReplicationReductionStrategy(
-            self, mean_reduction_strategy: MeanReductionStrategy) -> Self:
-        """When a ``Mean`` reduction divides by the count (``Post`` by default)."""
-        self._values["mean_reduction_strategy"] = parse_member(
-            MeanReductionStrategy, mean_reduction_strategy, "mean_reduction_strategy")
-        return self
-
-    @_unless_frozen
-    def setAutomaticLossScaling(self, enabled: bool) -> Self:
-        """Turn automatic loss scaling on or off."""
-        self._values["auto_loss_scaling"] = _bool(enabled, "auto_loss_scaling")
-        return self
-
-    @_unless_frozen
-    def setConvolutionDithering(self, enabled: bool) -> Self:
-        """Inert: convolution tile layout does not exist on emulated IPUs."""
-        self._record("convolution_dithering", _bool(enabled, "convolution_dithering"))
-        return self
-
-
-class _PrecisionOptions(_OptionGroup):
-    """Numerical precision options: ``opts.Precision``."""
-
-    __slots__ = ()
-    _INERT = {"floating_point_exceptions": False}
-
-    stochastic_rounding = _emulated(
-        "stochastic_rounding", "Whether rounding to float16 is stochastic.")
-    master_weights = _emulated(
-        "master_weights", "Whether half-precision weights keep a float32 master copy for updates.")
-    partials_type = _emulated(
-        "partials_type",
-        "dtype of matmul and convolution partial results: torch.float (default) or torch.half.")
-
-    @_unless_frozen
-    def halfFloatCasting(self, half_float_casting: enums.HalfFloatCastingBehavior) -> Self:
-        """Inert, as in PopTorch: float16 is always up-cast to float32 as in torch."""
-        parse_member(enums.HalfFloatCastingBehavior, half_float_casting, "half_float_casting")
-        return self
-
-    @_unless_frozen
-    def runningStatisticsAlwaysFloat(self, value: bool) -> Self:
-        """Inert, as in PopTorch: running statistics keep the dtype torch gives them."""
-        _bool(value, "runningStatisticsAlwaysFloat")
-        return self
-
-    @_unless_frozen
-    def enableFloatingPointExceptions(self, enabled: bool) -> Self:
-        """Inert: emulated IPUs do not trap on floating point exceptions; NaN and inf propagate
-        as in torch."""
-        self._record("floating_point_exceptions", _bool(enabled, "floating_point_exceptions"))
-        return self
-
-    @_unless_frozen
-    def enableStochasticRounding(self, enabled: bool) -> Self:
-        """Round to float16 stochastically (on) or to nearest (off, the default)."""
-        self._values["stochastic_rounding"] = _bool(enabled, "stochastic_rounding")
-        return self
-
-    @_unless_frozen
-    def enableMasterWeights(self, enabled: bool = True) -> Self:
-        """Beyond PopTorch: keep a float32 master copy of float16/bfloat16 weights on the device;
-        the optimizer updates the copy and the model computes with its rounding (to nearest, or
-        stochastic when that is enabled), so small updates are not lost to half precision."""
-        self._values["master_weights"] = _bool(enabled, "master_weights")
-        return self
-
-    @_unless_frozen
-    def setPartialsType(self, dtype: torch.dtype) -> Self:
-        """Keep matmul and convolution partial results in ``torch.float`` or ``torch.half``."""
-        self._values["partials_type"] = _partials_type(dtype)
-        return self
-
-
-class TensorLocationSettings:
-    """Where one class of tensors is stored, as PopTorch's settings object of the same name.
-
-    Only ``useOnChipStorage`` is read back by the emulation (for memory accounting); the other
-    settings are inert and recorded.
-    """
-
-    __slots__ = ("_settings",)
-
-    def __init__(self) -> None:
-        self._settings: dict[str, int] = {}
-
-    def _set(self, key: str, value: int) -> Self:
-        self._settings[key] = value
-        return self
-
-    def minElementsForOffChip(self, min_elements: int) -> Self:
-        """Inert: tensors smaller than this are never moved off chip."""
-        return self._set("minElementsForOffChip",
-                         _int_at_least(min_elements, "min_elements", 0))
-
-    def minElementsForReplicatedTensorSharding(self, min_elements: int) -> Self:
-        """Inert: tensors smaller than this are never sharded across replicas."""
-        return self._set("minElementsForReplicatedTensorSharding",
-                         _int_at_least(min_elements, "min_elements", 0))
-
-    def useOnChipStorage(self, use: bool | None = True) -> Self:
-        """Store on chip (True) or off chip (False); None leaves the default (on chip)."""
-        if use is None:
-            self._settings.pop("onChip", None)
-            return self
-        return self._set("onChip", int(_bool(use, "use")))
-
-    def useReplicatedTensorSharding(self, use: bool = True) -> Self:
-        """Inert: shard weights and optimizer state across replicas."""
-        return self._set("useReplicatedTensorSharding", int(_bool(use, "use")))
-
-    def useIOTilesToLoad(self, use: bool = True) -> Self:
-        """Inert: load through IO tiles."""
-        return self._set("useIOTilesToLoad", int(_bool(use, "use")))
-
-    def useIOTilesToStore(self, use: bool = True) -> Self:
-        """Inert: store through IO tiles."""
-        return self._set("useIOTilesToStore", int(_bool(use, "use")))
-
-    def toDict(self) -> dict[str, int]:
-        """The settings made so far, by PopTorch's names (booleans as 0 or 1)."""
-        return dict(self._settings)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, TensorLocationSettings):
-            return NotImplemented
-        return self._settings == other._settings
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        return f"TensorLocationSettings({self._settings})"
-
-
-_LOCATION_KINDS = {  # PopTorch's tensor class -> the emulated on-chip flag for it
-    "activation": "activations_on_chip",
-    "weight": "weights_on_chip",
-    "optimizer": "optimizer_on_chip",
-    "accumulator": "accumulators_on_chip",
-}
-
-
-class _TensorLocationOptions(_OptionGroup):
-    """Where tensors are stored: ``opts.TensorLocations``."""
-
-    __slots__ = ()
-    _INERT = {"num_io_tiles": None} | {f"{kind}_location": {} for kind in _LOCATION_KINDS}
-
-    activations_on_chip = _emulated("activations_on_chip", "Whether activations stay on chip.")
-    weights_on_chip = _emulated("weights_on_chip", "Whether weights stay on chip.")
-    optimizer_on_chip = _emulated(
-        "optimizer_on_chip", "Whether optimizer state stays on chip.")
-    accumulators_on_chip = _emulated(
-        "accumulators_on_chip", "Whether gradient accumulators stay on chip.")
-
-    def _location(self, kind: str) -> dict[str, int]:
-        """PopTorch's read-back of a tensor class's location: its TensorLocationSettings as a dict."""
-        return {"onChip": int(self._values[_LOCATION_KINDS[kind]]), **getattr(self, f"{kind}_location")}
-
-    location_activation = property(lambda self: self._location("activation"))
-    location_weight = property(lambda self: self._location("weight"))
-    location_optimizer = property(lambda self: self._location("optimizer"))
-    location_accumulator = property(lambda self: self._location("accumulator"))
-
-    @_unless_frozen
-    def numIOTiles(self, num_tiles: int) -> Self:
-        """Inert: tiles reserved for IO."""
-        _int_at_least(num_tiles, "num_tiles", 0)
-        if not (32 <= num_tiles <= 192 and num_tiles % 2 == 0):
-            raise FailedCheck("numIOTiles must be an even number between 32 and 192.")
-        self._record("num_io_tiles", num_tiles)
-        return self
-
-    def _set_location(self, kind: str, location: TensorLocationSettings) -> Self:
-        if not isinstance(location, TensorLocationSettings):
-            raise WrongArgumentType(
-                f"the {kind} location must be a poptorch.TensorLocationSettings, got {location!r}")
-        settings = location.toDict()
-        self._values[_LOCATION_KINDS[kind]] = bool(settings.pop("onChip", 1))
-        self._record(f"{kind}_location", settings)
-        return self
-
-    @_unless_frozen
-    def setActivationLocation(self, location: TensorLocationSettings) -> Self:
-        """Where activations are stored (replaces earlier activation settings)."""
-        return self._set_location("activation", location)
-
-    @_unless_frozen
-    def setWeightLocation(self, location: TensorLocationSettings) -> Self:
-        """Where weights are stored (replaces earlier weight settings)."""
-        return self._set_location("weight", location)
-
-    @_unless_frozen
-    def setOptimizerLocation(self, location: TensorLocationSettings) -> Self:
-        """Where optimizer state is stored (replaces earlier optimizer settings)."""
-        return self._set_location("optimizer", location)
-
-    @_unless_frozen
-    def setAccumulatorLocation(self, location: TensorLocationSettings) -> Self:
-        """Where gradient accumulators are stored (replaces earlier accumulator settings)."""
-        return self._set_location("accumulator", location)
-
-
-class _DistributedOptions(_OptionGroup):
-    """Multi-process (PopRun / PopDist) options: ``opts.Distributed``.
-
-    By default this process's place among the run's instances, as its launcher set it
-    (``ipu-run``'s variables, else Open MPI's ``OMPI_COMM_WORLD_RANK``/``SIZE`` as PopTorch reads
-    them). With several processes, ``replicationFactor`` counts this process's replicas: the run
-    has ``numProcesses`` times as many, and each process feeds its own replicas' share of the
-    combined batch.
-    """
-
-    __slots__ = ()
-
-    @property
-    def processId(self) -> int:
-        """Index of this process among the run's processes."""
-        return self._values["process_id"]
-
-    @property
-    def numProcesses(self) -> int:
-        """Number of processes the run is distributed over."""
-        return self._values["num_processes"]
-
-    distributed_process_id = processId
-    num_distributed_processes = numProcesses
-
-    @_unless_frozen
-    def disable(self) -> Self:
-        """Run as a single process, whatever the environment says."""
-        return self.configureProcessId(0, 1)
-
-    @_unless_frozen
-    def setEnvVarNames(self, var_num_processes: str, var_process_id: str) -> Self:
-        """Read the process id and count from these environment variables (as PopTorch)."""
-        process_id = os.environ.get(_str(var_process_id, "var_process_id"), "0")
-        num_processes = os.environ.get(_str(var_num_processes, "var_num_processes"), "1")
-        return self.configureProcessId(int(process_id), int(num_processes))
-
-    @_unless_frozen
-    def configureProcessId(self, process_id: int, num_processes: int) -> Self:
-        """Set this process's index and the number of processes (each started by the user's own
-        launcher; the processes connect through ``ipu_backend.distributed.init``)."""
-        _int_at_least(num_processes, "num_processes", 1)
-        _int_at_least(process_id, "process_id", 0)
-        if process_id >= num_processes:
-            raise InvalidArgument(
-                f"process_id must be below num_processes ({num_processes}), got {process_id}")
-        self._values.update(process_id=process_id, num_processes=num_processes)
-        return self
-
-
-class _JitOptions(_OptionGroup):
-    """PopTorch's JIT options: ``opts.Jit`` (models are always captured with torch.export)."""
-
-    __slots__ = ()
-
-    @_unless_frozen
-    def traceModel(self, trace_model: bool) -> Self:
-        """Inert with False; True is refused, as in PopTorch."""
-        if _bool(trace_model, "trace_model"):
-            raise InvalidArgument("options.Jit.traceModel(True) is no longer supported")
-        return self
-
-
-class _PopartOptions(_OptionGroup):
-    """PopART session options: ``opts._Popart``. Inert: recorded, never applied."""
-
-    __slots__ = ()
-    _INERT = {"popart_options": {}}
-
-    @property
-    def options(self) -> Mapping[str, Any]:
-        """The PopART options set so far (read-only)."""
-        return MappingProxyType(self.popart_options)
-
-    @_unless_frozen
-    def set(self, key: str, value: Any) -> Self:
-        """Record PopART option ``key``."""
-        self._record("popart_options", {**self.popart_options, _str(key, "key"): value})
-        return self
-
-    @_unless_frozen
-    def setEngineOptions(self, engine_options: Mapping[str, str]) -> Self:
-        """Record Poplar engine options."""
-        return self.set("engineOptions", dict(engine_options))
-
-    @_unless_frozen
-    def setPatterns(self, patterns: Mapping[str, bool], level: int = 2) -> Self:
-        """Record PopART pattern overrides."""
-        _int_at_least(level, "level", 0)
-        return self.set("patterns_level", level).set("patterns", dict(patterns))
+__all__ = ["ConfigFileError", "FailedCheck", "FrozenOptionsError", "InvalidArgument", "Options",
+           "TensorLocationSettings", "WrongArgumentType", "in_force", "parse_member"]
 
 
 _DEFAULT_SOURCE_LOCATION_EXCLUDES = ["install/poptorch", "site-packages/torch",

@@ -20,14 +20,8 @@ from ipu_backend.data.partition import ProcessShard
 from ipu_backend.data.prefetch import FetchAhead, PrefetchIterator
 from ipu_backend.data.rebatching import rebatch
 from ipu_backend.enums import DataLoaderMode
-from ipu_backend.options import (
-    InvalidArgument,
-    Options,
-    WrongArgumentType,
-    _bool,
-    _int_at_least,
-    parse_member,
-)
+from ipu_backend.option_values import InvalidArgument, WrongArgumentType, _bool, _int_at_least, parse_member
+from ipu_backend.options import Options
 
 _ASYNC_OPTIONS = ("buffer_size", "miss_sleep_time_in_ms", "load_indefinitely", "early_preload",
                   "sharing_strategy")

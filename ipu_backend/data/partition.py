@@ -12,7 +12,7 @@ that all of them are read.
 import torch
 from torch.utils.data import Dataset, Subset
 
-from ipu_backend.options import InvalidArgument
+from ipu_backend.option_values import InvalidArgument
 
 
 class ProcessShard:

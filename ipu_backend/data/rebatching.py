@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ipu_backend.options import WrongArgumentType
+from ipu_backend.option_values import WrongArgumentType
 
 
 def _unsupported_batch(batch: Any) -> WrongArgumentType:
