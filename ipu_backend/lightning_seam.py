@@ -2,7 +2,8 @@
 public PopTorch API, in one place.
 
 Lightning runs a LightningModule's step *methods* (``training_step``, ...) rather than
-``forward``, may optimize manually, clips gradients from the Trainer's flags and reads the IPUs'
+``forward``, passes them counters they read from the trainer (``step_arguments``), may optimize
+manually, clips gradients from the Trainer's flags and reads the IPUs'
 memory for its device stats. ``lightning_ipu`` imports only ``ipu_backend`` and this module; no
 JAX, no runtime or compiler internals. A name here is kept stable for the Lightning face.
 """
@@ -12,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ipu_backend.blocks import annotated_ipu_ids
+from ipu_backend.compiler.capture import step_arguments
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, metrics_of
 from ipu_backend.distributed import environment as _environment
 from ipu_backend.distributed import init as join_processes
@@ -28,7 +30,7 @@ __all__ = [
     "DEFAULT_REPORT_DIR", "MK2", "TOTAL_SUFFIX", "GradientClipping", "ManualStepExecutor", "PoplarExecutor",
     "SchedulerStep", "Step", "StepEvents", "all_gather", "annotated_ipu_ids", "barrier", "broadcast_object",
     "coordinator_from_environment", "ipu_run_instance", "join_processes", "manual_step_executor",
-    "memory_in_use", "metrics_of", "step_executor",
+    "memory_in_use", "metrics_of", "step_arguments", "step_executor",
 ]
 
 DEFAULT_REPORT_DIR = DEFAULT_DIR

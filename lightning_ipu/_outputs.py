@@ -17,11 +17,6 @@ Which micro-batches are returned is the output mode's choice: the last one per r
 training's default (``OutputMode.Final``), every one for inference's (``OutputMode.All``).
 """
 
-import ast
-import inspect
-import textwrap
-from collections.abc import Callable
-
 import torch
 import torch.utils._pytree as torch_pytree
 
@@ -64,22 +59,3 @@ def reduce_logged(name: str, value: torch.Tensor, reduce_fx, weights: torch.Tens
         weights = weights.to(flat.dtype)
         return (flat * weights).sum() / weights.sum()
     return reduce_fx(flat)
-
-
-def reads_argument(method: Callable, index: int) -> bool:
-    """Whether the body of ``method`` (a bound method) reads its ``index``-th positional parameter.
-
-    When its source cannot be read, or the parameter is caught by ``*args``, it is assumed to."""
-    parameters = list(inspect.signature(method).parameters.values())
-    if index >= len(parameters) or parameters[index].kind not in (
-            inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
-        return True
-    name = parameters[index].name
-    try:
-        source = textwrap.dedent(inspect.getsource(method))
-    except (OSError, TypeError):
-        return True
-    function = ast.parse(source).body[0]
-    body = function.body if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) else [function]
-    return any(isinstance(node, ast.Name) and node.id == name
-               for statement in body for node in ast.walk(statement))

@@ -41,11 +41,13 @@ counts in ``global_step`` as on the CPU, schedulers the step steps are stepped o
 between its training steps (each of a call's ``device_iterations`` steps gets its own learning
 rates), and ``16-mixed`` scales the losses as Lightning's ``MixedPrecision`` plugin does.
 
-Limits of a traced step: Python values (``self.current_epoch``, a branch on ``batch_idx``) are
-fixed when the step is captured, so ``batch_idx`` reaches a step that reads it as a one-element
-tensor; batches stay on the host (``on_before_batch_transfer``
-works, ``transfer_batch_to_device`` and ``on_after_batch_transfer`` overrides are refused); and
-callbacks reading ``.grad`` see none, since gradients live on the IPUs.
+What a step reads stays current: ``batch_idx``, ``self.current_epoch`` and ``self.global_step``
+are inputs of the program with the CPU's values in every micro-batch (``_counters.py``), and the
+executors capture a step again when a plain attribute it read has changed. Limits of a traced
+step: a Python branch on a counter is a branch on a tensor (refused with its line); batches stay
+on the host (``on_before_batch_transfer`` works, ``transfer_batch_to_device`` and
+``on_after_batch_transfer`` overrides are refused); and callbacks reading ``.grad`` see none,
+since gradients live on the IPUs.
 
 Options: user ``training_opts``/``inference_opts`` are used as given; otherwise they come from
 the Trainer (``devices`` -> replication factor, ``accumulate_grad_batches`` -> gradient
@@ -77,12 +79,13 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import ipu_backend
 from ipu_backend import lightning_seam as seam
-from lightning_ipu import _data, _loop_progress, _metrics, _outputs, _processes, _short_batches
+from lightning_ipu import _counters, _data, _loop_progress, _metrics, _outputs, _processes, _short_batches
 
 from .precision import IPUPrecision
 
 _HOST_TRANSFER_HOOKS = ("transfer_batch_to_device", "on_after_batch_transfer")
 _MISSING = object()
+
 RANDOM_STATE_KEY = "ipu_random_state"
 """Checkpoint entry holding each compiled step's random state (``rng_state``: seed and calls
 made), so a resumed run draws the random numbers (dropout masks) of the uninterrupted one."""
@@ -157,7 +160,7 @@ class IPUStrategy(ParallelStrategy):
         self.poptorch_models: dict[RunningStage, seam.PoplarExecutor] = {}
         """The executor of each stage the current ``Trainer`` call runs (the Lightning IPU
         plugin's attribute): validation and sanity checking share one."""
-        self._reads_batch_idx: dict[str, bool] = {}
+        self._manual_events: seam.StepEvents | None = None
         self._gradient_clipping: seam.GradientClipping | None = None
         self._trainer = None
         self._accumulate_grad_batches: int | None = None
@@ -481,12 +484,13 @@ class IPUStrategy(ParallelStrategy):
             micro = self._loader_micro_batch_size(args)
             if micro is not None and _short_batches.batch_size(args[0]) < micro * factor:
                 return self._run_short(method, args, micro, factor)
-        args = self._with_batch_index(method, args, factor)
-        self._restore_random_state(method, executor, args)
-        try:
-            result = executor(*args)
-        except StopIteration as error:   # would silently end Lightning's loop
-            raise RuntimeError(f"the compiled {method} raised StopIteration") from error
+        call_args, adapt = self._with_counters(method, args, executor.options)
+        with seam.step_arguments(adapt):
+            self._restore_random_state(method, executor, call_args)
+            try:
+                result = executor(*call_args)
+            except StopIteration as error:   # would silently end Lightning's loop
+                raise RuntimeError(f"the compiled {method} raised StopIteration") from error
         program = executor.last_program
         logged = executor.last_logs if self._processes == 1 else _processes.gathered(executor.last_logs)
         metrics = _metrics.update(self.lightning_module, program, logged, executor.options.device_iterations)
@@ -498,8 +502,9 @@ class IPUStrategy(ParallelStrategy):
         executor = self._every_micro_batch_executor(method)
         pieces_run, kept, kept_logs, per_sample, result = _short_batches.pieces(args[0], micro, factor), [], [], None, None
         for piece in pieces_run:
-            piece_args = self._with_batch_index(method, (piece.batch, *args[1:]), factor)
-            with warnings.catch_warnings():     # the short micro-batch's size compiles once more
+            piece_args, adapt = self._with_counters(method, (piece.batch, *args[1:]), executor.options)
+            with warnings.catch_warnings(), seam.step_arguments(adapt):
+                # the short micro-batch's size compiles once more
                 warnings.filterwarnings("ignore", message="the inputs' shapes or dtypes changed")
                 self._restore_random_state(method, executor, piece_args)
                 result = executor(*piece_args)
@@ -606,9 +611,11 @@ class IPUStrategy(ParallelStrategy):
         patch(module, "clip_gradients", clip_gradients)
         for index, config in enumerate(self.lr_scheduler_configs):
             patch(config.scheduler, "step", lambda *args, index=index, **kwargs: events.scheduler_step(index))
+        self._manual_events = events
         try:
             yield
         finally:
+            self._manual_events = None
             for owner, name, value in reversed(saved):
                 if value is _MISSING:
                     del owner.__dict__[name]
@@ -629,17 +636,28 @@ class IPUStrategy(ParallelStrategy):
             if isinstance(event, seam.SchedulerStep):
                 self.lr_scheduler_configs[event.scheduler].scheduler.step()
 
-    def _with_batch_index(self, method: str, args: tuple, factor: int) -> tuple:
-        """``batch_idx`` as a constant 0 when the step never reads it (one program for every
-        batch), else as an int64 tensor of the call's micro-batches (``[batch_idx]`` in each)."""
-        if len(args) < 2 or isinstance(args[1], bool) or not isinstance(args[1], int):
-            return args
-        reads = self._reads_batch_idx.get(method)
-        if reads is None:
-            reads = self._reads_batch_idx[method] = _outputs.reads_argument(
-                getattr(self.lightning_module, method), 1)
-        batch_idx = torch.full((factor,), args[1], dtype=torch.int64) if reads else 0
-        return (args[0], batch_idx, *args[2:])
+    def _with_counters(self, method: str, args: tuple, options) -> tuple[tuple, Any]:
+        """The executor's arguments for a step called with ``args`` (``batch, [batch_idx, ...]``)
+        and the adapter that gives the captured step its own (see ``_counters.py``): Lightning's
+        counters per micro-batch first, ``batch_idx`` taken out (it is one of them)."""
+        takes_batch_idx = len(args) > 1 and isinstance(args[1], int) and not isinstance(args[1], bool)
+        counters = _counters.per_micro_batch(
+            args[1] if takes_batch_idx else 0, self._trainer.global_step, self._trainer.current_epoch,
+            options.device_iterations, options.Training.gradient_accumulation, options.replication_factor)
+        if method != "training_step":
+            steps = _counters.evaluation_steps
+        elif self.lightning_module.automatic_optimization:
+            steps = _counters.automatic_steps
+        else:
+            steps = self._manual_steps
+        rest = args[2:] if takes_batch_idx else args[1:]
+        return (counters, args[0], *rest), _counters.adapter(takes_batch_idx, steps)
+
+    def _manual_steps(self) -> tuple[int, int]:
+        """``(optimizer steps per training step, steps made so far)`` of the manual training step
+        being captured (0 per training step while the capture that finds them runs)."""
+        events = self._manual_events
+        return events.steps_per_training_step or 0, events.steps_taken
 
     def _log(self, program, logged: dict, metrics: dict, weights: torch.Tensor | None = None) -> None:
         """Hand each ``self.log`` of the compiled step to Lightning, with its concrete value (a

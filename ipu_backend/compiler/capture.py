@@ -99,11 +99,32 @@ class StepCall(torch.nn.Module):
 
     def forward(self, *args):
         self.recorder.reset()
-        with _recording_logs(self.module, self.recorder), metric_states.lifted(self.module) as metrics:
+        adapt = _STEP_ARGUMENTS.get()
+        scope = contextlib.nullcontext()
+        if adapt is not None:
+            args, scope = adapt(self.module, args)
+        with (_recording_logs(self.module, self.recorder), metric_states.lifted(self.module) as metrics,
+              scope):
             result = getattr(self.module, self.method)(*args)
             specs, values = metric_states.updated_states(metrics)
         self.recorder.calls.extend(LogCall(spec.key, state=spec) for spec in specs)
         return result, list(self.recorder.tensors) + values
+
+
+_STEP_ARGUMENTS = contextvars.ContextVar("ipu_backend_step_arguments", default=None)
+
+
+@contextlib.contextmanager
+def step_arguments(adapt):
+    """While the block runs, a step method captured (:class:`StepCall`) gets the arguments
+    ``adapt(module, args)`` gives as ``(arguments, context manager)``, and runs inside that
+    context: how a caller passes a step values it reads elsewhere than in its arguments (the
+    Lightning face's counters, read through the module's trainer) as program inputs."""
+    token = _STEP_ARGUMENTS.set(adapt)
+    try:
+        yield
+    finally:
+        _STEP_ARGUMENTS.reset(token)
 
 
 _CAPTURING = contextvars.ContextVar("ipu_backend_capturing", default=False)
@@ -156,7 +177,8 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
             f"the program branches on the value of a tensor at {where}. A compiled program is "
             "traced once, so Python control flow cannot depend on tensor data. Use torch.where "
             "for element-wise choices, or torch.cond(pred, true_fn, false_fn, operands) to "
-            "branch (it lowers to lax.cond).") from error
+            "branch (it lowers to lax.cond). In a Lightning step, batch_idx, self.current_epoch "
+            "and self.global_step are such tensors: they change from one step to the next.") from error
     except Error:
         raise
     except (RuntimeError, TypeError, ValueError, IndexError) as error:

@@ -2,15 +2,17 @@
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 import torch
 import torch.utils._pytree as torch_pytree
+from torch._dynamo.exc import UncapturedHigherOrderOpError
 from torch.export.graph_signature import InputKind, OutputKind
 
-from ipu_backend.compiler import capture, interpreter, layer_calls, layer_loops, repeated_layers
+from ipu_backend.compiler import capture, interpreter, layer_calls, layer_loops, python_reads, repeated_layers
 from ipu_backend.compiler.dtypes import to_jax
+from ipu_backend.compiler.python_reads import Read
 from ipu_backend.compiler.sources import user_location
 from ipu_backend.errors import Error
 
@@ -106,6 +108,9 @@ class Program:
     """Other names of tied parameters and buffers -> the name the program reads them under."""
     keywords: tuple[str, ...] = ()
     """The names under which the last inputs are passed by keyword."""
+    python_reads: tuple[Read, ...] = ()
+    """The plain Python attributes of the module that the capture read, and their values: the
+    program is what the module computes only while they keep them (``python_reads.changed``)."""
 
     def parameters_with_gradient(self, node: torch.fx.Node) -> frozenset[str]:
         """The parameters whose values reach ``node`` through floating-point values and no
@@ -190,7 +195,15 @@ def compile_module(module: torch.nn.Module, example_args: tuple, method: str | N
     target = module if method is None else capture.StepCall(module, method)
     runs = repeated_layers.repeated_runs(module) if loop_repeated_layers else []
     start = time.time()
-    exported, templates = _capture(target, *split_keywords(tuple(example_args), keywords), runs)
+    args, kwargs = split_keywords(tuple(example_args), keywords)
+    try:
+        with python_reads.recorded(module) as reads:
+            exported, templates = _capture(target, args, kwargs, runs)
+    except UncapturedHigherOrderOpError:
+        # torch.cond's branches are traced by torch's compiler, which cannot run the classes
+        # that note reads: capture again unnoted, guarded by every plain attribute.
+        exported, templates = _capture(target, args, kwargs, runs)
+        reads = python_reads.every_attribute(module)
     end = time.time()
     jax.monitoring.record_event_duration_secs(CAPTURE_EVENT, end - start)
     jax.monitoring.record_event_time_span(CAPTURE_EVENT, start, end)
@@ -201,8 +214,10 @@ def compile_module(module: torch.nn.Module, example_args: tuple, method: str | N
             node.meta[layer_calls.TEMPLATE_KEY] = templates[node.args[2]]
     layer_loops.loop_layer_chains(graph_module)
     if method is None:
-        return _build(module, exported, "", None, keywords)
-    return _build(module, exported, "module.", tuple(target.recorder.calls), keywords)
+        program = _build(module, exported, "", None, keywords)
+    else:
+        program = _build(module, exported, "module.", tuple(target.recorder.calls), keywords)
+    return replace(program, python_reads=tuple(reads))
 
 
 def split_keywords(inputs: tuple, keywords: tuple[str, ...]) -> tuple[tuple, dict]:

@@ -395,10 +395,11 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
     def _compile(self, args: tuple, groups: tuple | None, keywords: tuple = ()) -> CompiledStep:
         signature = self._cache_key(args, groups, keywords)
         compiled = self._compiled.get(signature) or _PROGRAMS.setdefault(self._user_model, {}).get(signature)
-        if compiled is not None and (compiled.rule is None or self._rule_matches(compiled.rule, groups)):
+        stale = compiled is not None and self._reads_changed(compiled)
+        if compiled is not None and not stale and (compiled.rule is None or self._rule_matches(compiled.rule, groups)):
             self._compiled[signature] = compiled
             return compiled
-        if self._last_signature is not None:
+        if self._last_signature is not None and not stale:
             warnings.warn("the inputs' shapes or dtypes (or torch's float32 precision settings) "
                           "changed since the last call: compiling again for the new ones (each "
                           "distinct signature is compiled once)",

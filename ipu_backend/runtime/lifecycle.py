@@ -12,13 +12,14 @@ it computes, and the outputs brought to the host in PopTorch's shapes.
 
 import logging
 import time
+import warnings
 
 import jax
 import numpy as np
 import torch
 import torch.utils._pytree as torch_pytree
 
-from ipu_backend.compiler import containers
+from ipu_backend.compiler import containers, python_reads
 from ipu_backend.errors import Error
 from ipu_backend.runtime import compilation_cache, host_idle, memory, perf_counters, processes
 from ipu_backend.runtime.devices import replica_mesh
@@ -33,6 +34,10 @@ from ipu_backend.runtime.weights import release, weight_store
 from ipu_backend.runtime.xla_compile import compile_lowered
 
 logger = logging.getLogger("ipu_backend")
+
+RECAPTURE_WARNING_LIMIT = 8
+"""Captures again for changed Python attributes after which an executor warns that one keeps
+changing (torch.compile's recompile limit)."""
 
 NO_EXECUTABLE = "Model has not been compiled or has been destroyed."
 """PopTorch's error for a query that needs a compiled model."""
@@ -156,6 +161,8 @@ class Executor:
         """The compiled Program that ran in the last call (its ``logs``, output shapes)."""
         self._store = weight_store(model)
         self._compiled: dict = {}
+        self._recaptures = 0
+        """How often a changed Python attribute made this executor capture its program again."""
         self._check_processes()
         seed = self._settings.random_seed
         seed = int(torch.randint(0, 2**31 - 1, ())) if seed is None else seed
@@ -190,6 +197,25 @@ class Executor:
         release(self._user_model)
         self._profiler.close()
         self._compiled.clear()
+
+    def _reads_changed(self, compiled: "CompiledStep") -> bool:
+        """Whether a plain Python attribute that ``compiled`` was captured with (``self.alpha``
+        read by a step or forward) has another value now, so that the program must be captured
+        again: a program never runs with a stale value baked in."""
+        changes = python_reads.changed(compiled.program.python_reads)
+        if not changes:
+            return False
+        self._recaptures += 1
+        described = ", ".join(f"{read.attribute} ({read.value!r} -> {value!r})" for read, value in changes)
+        what = self._step_method or "model"
+        logger.info("capturing the %s again: %s changed since it was captured", what, described)
+        if self._recaptures == RECAPTURE_WARNING_LIMIT:
+            warnings.warn(f"the {what} was captured and compiled again {self._recaptures} times because "
+                          f"Python attributes it reads keep changing (now {described}): each change "
+                          "compiles a new program. Keep a value that changes as a tensor (a buffer, "
+                          "register_buffer) or pass it as an input, so that one program serves",
+                          stacklevel=4)
+        return True
 
     # --- for each kind ---------------------------------------------------------------------
     def _check_settings(self) -> None:

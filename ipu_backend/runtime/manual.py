@@ -140,6 +140,16 @@ class StepEvents:
         self._versions = None
         self._replaced: dict = {}
 
+    @property
+    def steps_taken(self) -> int:
+        """The optimizer steps the step has made so far in this capture."""
+        return sum(isinstance(e, Step) for e in self.events)
+
+    @property
+    def steps_per_training_step(self) -> int | None:
+        """The optimizer steps one training step makes (None in the capture that finds them)."""
+        return None if self._versions is None else len(self._versions)
+
     def begin(self, versions) -> None:
         """Start a capture; ``versions`` (one dict of tensors per step, or None) are swapped in."""
         self.events, self.losses, self._versions, self._replaced = [], [], versions, {}
@@ -317,7 +327,7 @@ class ManualStepExecutor(Executor):
     def _compile(self, args: tuple) -> CompiledStep:
         signature = (float32_precision.program_key(),) + input_signature(args)
         compiled = self._compiled.get(signature)
-        if compiled is None:
+        if compiled is None or self._reads_changed(compiled):
             compiled = self._compiled[signature] = self._build(args)
         return compiled
 

@@ -78,18 +78,6 @@ def test_clipping_other_than_the_trainer_flags_is_refused():
         fit(ClipsItsOwnWay())
 
 
-class BranchesOnBatchIdx(Regressor):
-    def training_step(self, batch, batch_idx):
-        if batch_idx % 2:
-            return super().training_step(batch, batch_idx) * 2
-        return super().training_step(batch, batch_idx)
-
-
-def test_python_branching_on_batch_idx_explains_the_traced_step():
-    with pytest.raises(ipu_backend.Error, match="branches on the value of a tensor"):
-        fit(BranchesOnBatchIdx())
-
-
 class ReturnsNothing(Regressor):
     def training_step(self, batch, batch_idx):
         super().training_step(batch, batch_idx)

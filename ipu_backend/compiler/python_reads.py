@@ -1,0 +1,152 @@
+"""The plain Python values (numbers, strings, ``None``, and tuples, lists and mappings of them)
+that a capture read from the attributes of the captured module and its submodules.
+
+A capture bakes such a value into the program (``x * self.alpha`` multiplies by the constant
+``self.alpha`` had), so the program computes what the module computes only while each of them
+is unchanged: they are the program's guards, as torch.compile's are. While a capture runs, each
+module's class is swapped for a subclass that notes the plain values its instance attributes
+give; :func:`changed` then compares them with the module's current ones.
+
+``training`` is not a guard: executors set each submodule's mode for their capture themselves.
+Nor are the attributes of torchmetrics objects: their states are the program's inputs and
+outputs (``metric_states``), and their own bookkeeping (update counts) changes every call.
+"""
+
+import contextlib
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ipu_backend.compiler import metric_states
+
+_PLAIN = (bool, int, float, str, type(None))
+_NOT_GUARDED = frozenset({"training"})
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Read:
+    """``<path>.<name>`` of a module read during a capture, its value then (a :func:`snapshot`)."""
+
+    module: weakref.ref
+    path: str
+    name: str
+    value: object
+
+    def current(self):
+        """The attribute's value now (``_MISSING`` if it, or its module, is gone)."""
+        module = self.module()
+        return _MISSING if module is None else module.__dict__.get(self.name, _MISSING)
+
+    def holds(self, value) -> bool:
+        """Whether ``value`` gives the program this read captured (``None`` only ``None``)."""
+        if value is _MISSING:
+            return False
+        if self.value is None:
+            return value is None
+        return _same(snapshot(value), self.value)
+
+    @property
+    def attribute(self) -> str:
+        return f"{self.path}.{self.name}" if self.path else self.name
+
+
+def snapshot(value):
+    """``value`` as a guard compares it: a plain value itself; a tuple, list or mapping (such as
+    Lightning's ``hparams``) of plain values as a tagged tuple of its items; None for anything
+    else (a tensor, a module, an empty container), which is not a guard."""
+    if type(value) in _PLAIN:
+        return value
+    if isinstance(value, (tuple, list)) and value:
+        items = tuple(snapshot(v) for v in value)
+        plain = all(i is not None or v is None for i, v in zip(items, value))
+        return (type(value).__name__, items) if plain else None
+    if isinstance(value, Mapping) and value:
+        if not all(type(k) in _PLAIN for k in value):
+            return None
+        items = tuple((k, snapshot(v)) for k, v in value.items())
+        plain = all(i is not None or value[k] is None for k, i in items)
+        return ("mapping", items) if plain else None
+    return None
+
+
+def _same(a, b) -> bool:
+    """Equal snapshots of the same types (``1`` and ``1.0`` give different programs)."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is tuple:
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a is b or a == b
+
+
+def changed(reads: tuple[Read, ...]) -> list[tuple[Read, object]]:
+    """The reads whose attribute no longer has the value the capture saw, with its value now."""
+    found = []
+    for read in reads:
+        value = read.current()
+        if not read.holds(value):
+            found.append((read, None if value is _MISSING else value))
+    return found
+
+
+_TRACKING: dict[type, type] = {}
+_NOTES: dict[int, dict] = {}
+"""What each module being captured has read, by ``id``: kept off the module, whose attributes
+torch.export restores after tracing."""
+
+
+def _tracking_class(cls: type) -> type:
+    """``cls`` with a ``__getattribute__`` that notes the snapshots of plain instance attributes."""
+    tracking = _TRACKING.get(cls)
+    if tracking is None:
+        def __getattribute__(self, name):  # noqa: N807
+            value = object.__getattribute__(self, name)
+            notes = _NOTES.get(id(self))
+            if notes is not None and name not in notes and name not in _NOT_GUARDED:
+                if object.__getattribute__(self, "__dict__").get(name, _MISSING) is value:
+                    frozen = snapshot(value)
+                    if frozen is not None or value is None:
+                        notes[name] = frozen
+            return value
+
+        tracking = _TRACKING[cls] = type(cls.__name__, (cls,), {
+            "__getattribute__": __getattribute__, "__qualname__": cls.__qualname__,
+            "__module__": cls.__module__, "_ipu_tracked_class": cls})
+    return tracking
+
+
+def every_attribute(module: torch.nn.Module) -> tuple[Read, ...]:
+    """A :class:`Read` of every plain attribute of ``module``'s tree, read or not: the guards of a
+    capture whose reads could not be noted (torch traces ``torch.cond`` branches with its
+    compiler, which cannot run the noting classes)."""
+    return tuple(Read(weakref.ref(m), path, name, frozen)
+                 for path, m in _guarded_modules(module)
+                 for name, value in m.__dict__.items()
+                 if name not in _NOT_GUARDED and ((frozen := snapshot(value)) is not None or value is None))
+
+
+def _guarded_modules(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``module``'s tree but torchmetrics objects and what they hold."""
+    metrics = [path + "." for path, m in module.named_modules() if metric_states.is_metric(m)]
+    return [(path, m) for path, m in module.named_modules(remove_duplicate=True)
+            if not any((path + ".").startswith(prefix) for prefix in metrics)]
+
+
+@contextlib.contextmanager
+def recorded(module: torch.nn.Module):
+    """While the block runs, note what ``module``'s tree reads; the list it yields then holds
+    the :class:`Read` of each attribute (first value seen), once the block ends."""
+    reads: list[Read] = []
+    modules = [(path, m) for path, m in _guarded_modules(module) if id(m) not in _NOTES]
+    for _, m in modules:
+        _NOTES[id(m)] = {}
+        m.__class__ = _tracking_class(type(m))
+    try:
+        yield reads
+    finally:
+        for path, m in modules:
+            m.__class__ = type(m)._ipu_tracked_class
+            notes = _NOTES.pop(id(m))
+            reads.extend(Read(weakref.ref(m), path, name, value) for name, value in notes.items())

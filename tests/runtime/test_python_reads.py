@@ -1,0 +1,111 @@
+"""A plain Python attribute that a model reads (``self.scale``) is baked into its program; when
+it changes, an existing executor captures the model again, so every call equals torch eager.
+fp32: 1e-5 relative (1e-6 absolute)."""
+
+import copy
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import ipu_backend as poptorch
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+        self.scale = 1.0
+
+    def forward(self, x, y=None):
+        out = self.linear(x) * self.scale
+        return out if y is None else F.mse_loss(out, y) * self.scale
+
+
+def test_a_training_model_follows_a_changed_loss_weight():
+    torch.manual_seed(0)
+    model, x, y = Scaled(), torch.randn(4, 4), torch.randn(4, 2)
+    reference = copy.deepcopy(model)
+    expected_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    training = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    for scale in (1.0, 0.0, 2.0):
+        model.scale = reference.scale = scale
+        loss = training(x, y)
+        expected_optimizer.zero_grad()
+        expected = reference(x, y)
+        expected.backward()
+        expected_optimizer.step()
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    training.copyWeightsToHost()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_an_attribute_of_a_submodule_is_guarded_too():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LeakyReLU(0.1))
+    x = torch.randn(4, 4)
+    inference = poptorch.inferenceModel(model)
+    torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
+    model[1].negative_slope = 0.5
+    torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_an_attribute_that_keeps_changing_warns_and_stays_equal_to_torch():
+    torch.manual_seed(0)
+    model, x = Scaled(), torch.randn(4, 4)
+    inference = poptorch.inferenceModel(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(9):
+            model.scale = float(step)
+            torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
+    messages = [str(w.message) for w in caught if "keep changing" in str(w.message)]
+    assert len(messages) == 1 and "scale (7.0 -> 8.0)" in messages[0]
+
+
+class Configured(torch.nn.Module):
+    """Reads a mapping of settings and an optional tensor, as a config or ``hparams`` holds them."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+        self.settings = {"scale": 1.0, "shift": (0.0, 0.5)}
+        self.offset = None
+
+    def forward(self, x):
+        out = self.linear(x) * self.settings["scale"] + self.settings["shift"][1]
+        return out if self.offset is None else out + self.offset
+
+
+def test_settings_in_a_mapping_and_an_attribute_that_stops_being_none_are_guarded():
+    torch.manual_seed(0)
+    model, x = Configured(), torch.randn(4, 4)
+    inference = poptorch.inferenceModel(model)
+    torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
+    model.settings["shift"] = (0.0, -1.0)
+    torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
+    model.offset = torch.ones(2)
+    torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+class Gated(torch.nn.Module):
+    """Its layers run inside ``torch.cond`` branches, which torch traces with its compiler."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+        self.scale = 1.0
+
+    def forward(self, x):
+        out = torch.cond(x.sum() > 0, lambda v: self.linear(v), lambda v: -self.linear(v), (x,))
+        return out * self.scale
+
+
+def test_an_attribute_read_beside_torch_cond_is_guarded_too():
+    torch.manual_seed(0)
+    model, x = Gated(), torch.randn(4, 4)
+    inference = poptorch.inferenceModel(model)
+    torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
+    model.scale = 3.0
+    torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
