@@ -405,6 +405,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
                           "distinct signature is compiled once)",
                           stacklevel=3)
         self._last_signature = signature
+        float32_precision.note_compiled(float32_precision.program_key())
         schedule = self._schedule()
         micro = first_micro_batch(args, schedule)
         started = time.perf_counter()

@@ -328,6 +328,7 @@ class ManualStepExecutor(Executor):
         signature = (float32_precision.program_key(),) + input_signature(args)
         compiled = self._compiled.get(signature)
         if compiled is None or self._reads_changed(compiled):
+            float32_precision.note_compiled(float32_precision.program_key())
             compiled = self._compiled[signature] = self._build(args)
         return compiled
 

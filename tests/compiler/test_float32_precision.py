@@ -116,3 +116,26 @@ def test_programs_are_keyed_by_the_setting_off_the_cpu_only(monkeypatch):
     monkeypatch.setattr(float32_precision.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(float32_precision, "torch_setting", lambda: Float32Precision("tf32", "ieee"))
     assert float32_precision.program_key() == Float32Precision("tf32", "ieee")
+
+
+def test_float32_convolutions_after_tf32_ones_in_a_process_warn(monkeypatch):
+    import warnings
+
+    import ipu_backend as poptorch
+    monkeypatch.setattr(float32_precision, "_CONVOLUTIONS_COMPILED", set())
+    setting = {"now": Float32Precision("ieee", "ieee")}
+    monkeypatch.setattr(float32_precision, "program_key", lambda: setting["now"])
+
+    def compile_one():
+        model = nn.Linear(3, 2)
+        poptorch.inferenceModel(model)(torch.ones(4, 3))
+
+    message = "float32 convolutions compiles after one with TF32 convolutions"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=f".*{message}")
+        compile_one()                                    # float32 first: nothing to warn of
+        setting["now"] = Float32Precision("tf32", "tf32")
+        compile_one()
+    setting["now"] = Float32Precision("ieee", "ieee")
+    with pytest.warns(UserWarning, match=message):
+        compile_one()
