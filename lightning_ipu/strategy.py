@@ -505,7 +505,7 @@ class IPUStrategy(ParallelStrategy):
             piece_args, adapt = self._with_counters(method, (piece.batch, *args[1:]), executor.options)
             with warnings.catch_warnings(), seam.step_arguments(adapt):
                 # the short micro-batch's size compiles once more
-                warnings.filterwarnings("ignore", message="the inputs' shapes or dtypes changed")
+                warnings.filterwarnings("ignore", message="the inputs' shapes or dtypes .*changed")
                 self._restore_random_state(method, executor, piece_args)
                 result = executor(*piece_args)
             program = executor.last_program
