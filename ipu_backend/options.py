@@ -92,6 +92,11 @@ __all__ = ["ConfigFileError", "FailedCheck", "FrozenOptionsError", "InvalidArgum
            "TensorLocationSettings", "WrongArgumentType", "in_force", "parse_member"]
 
 
+_OUTSIDE_THE_PROGRAM = frozenset({"random_seed", "profiling_dir"})
+"""Settings that do not change a compiled program (the seed is one of its inputs). The cache
+directory stays in the key: a program is written to the persistent cache only where it compiles."""
+
+
 _DEFAULT_SOURCE_LOCATION_EXCLUDES = ["install/poptorch", "site-packages/torch",
                                      "site-packages/poptorch"]
 
@@ -612,7 +617,8 @@ class Options(_OptionGroup):
             loop_repeated_layers=self.loop_repeated_layers,
             updatable_named_buffers=tuple(self.updatable_named_buffers), log_cycle_count=self.log_cycle_count,
             compilation_time_shown=self.show_compilation_progress_bar,
-            key=repr((sorted(self.toDict().items()), self.Distributed.numProcesses)))
+            key=repr((sorted((k, v) for k, v in self.toDict().items() if k not in _OUTSIDE_THE_PROGRAM),
+                      self.Distributed.numProcesses)))
 
     def _groups(self) -> tuple[_OptionGroup, ...]:
         return (self, self._training, self._precision, self._tensor_locations)

@@ -10,7 +10,15 @@ import torch.utils._pytree as torch_pytree
 from torch._dynamo.exc import UncapturedHigherOrderOpError
 from torch.export.graph_signature import InputKind, OutputKind
 
-from ipu_backend.compiler import capture, interpreter, layer_calls, layer_loops, python_reads, repeated_layers
+from ipu_backend.compiler import (
+    capture,
+    identity,
+    interpreter,
+    layer_calls,
+    layer_loops,
+    python_reads,
+    repeated_layers,
+)
 from ipu_backend.compiler.dtypes import to_jax
 from ipu_backend.compiler.python_reads import Read
 from ipu_backend.compiler.sources import user_location
@@ -111,6 +119,10 @@ class Program:
     python_reads: tuple[Read, ...] = ()
     """The plain Python attributes of the module that the capture read, and their values: the
     program is what the module computes only while they keep them (``python_reads.changed``)."""
+    identity: str | None = None
+    """What the program computes, as a digest (:mod:`~ipu_backend.compiler.identity`): equal for
+    captures that lower to the same function, None when some value in it has no stable
+    description (the program is then never shared)."""
 
     def parameters_with_gradient(self, node: torch.fx.Node) -> frozenset[str]:
         """The parameters whose values reach ``node`` through floating-point values and no
@@ -385,10 +397,14 @@ def _build(module, exported, prefix: str, logs: tuple | None, keywords: tuple[st
 
     locations = {node.name: user_location(node.meta.get("stack_trace"))
                  for node in graph_module.graph.nodes if node.op == "call_function"}
+    params = _ordered_specs(module, param_names, "Parameter")
+    buffers = _ordered_specs(module, buffer_names, "Buffer")
+    index_inputs = _index_inputs(graph_module, user_inputs)
+    aliases = {alias: name for alias, name in canonical.items() if alias != name}
     return Program(
         logged_fn=logged_fn,
-        params=_ordered_specs(module, param_names, "Parameter"),
-        buffers=_ordered_specs(module, buffer_names, "Buffer"),
+        params=params,
+        buffers=buffers,
         mutated_buffers=tuple(mutated),
         output_spec=out_spec,
         logs=logs or (),
@@ -396,8 +412,28 @@ def _build(module, exported, prefix: str, logs: tuple | None, keywords: tuple[st
         graph_module=graph_module,
         mutated_inputs=tuple(mutated_inputs),
         stacks=stacks,
-        index_inputs=_index_inputs(graph_module, user_inputs),
+        index_inputs=index_inputs,
         param_placeholders=param_placeholders,
         keywords=tuple(keywords),
-        aliases={alias: name for alias, name in canonical.items() if alias != name},
+        aliases=aliases,
+        identity=_identity(module, exported, params, buffers, mutated, mutated_inputs, logs,
+                           (stacks, index_inputs, tuple(keywords), aliases)),
     )
+
+
+def _identity(module, exported, params, buffers, mutated, mutated_inputs, logs, boundary) -> str | None:
+    """The digest of what the program computes (see :mod:`~ipu_backend.compiler.identity`);
+    ``boundary``: how its weights and inputs are passed (stacks, checked indices, keywords, tied
+    names)."""
+    trained = {name: p.requires_grad for name, p in module.named_parameters(remove_duplicate=False)}
+    try:
+        return identity.digest((
+            identity.graph_digest(exported.graph_module),
+            tuple((s.name, s.shape, s.dtype, trained.get(s.name)) for s in params),
+            tuple((s.name, s.shape, s.dtype) for s in buffers),
+            tuple(mutated), tuple(mutated_inputs), exported.call_spec.in_spec, exported.call_spec.out_spec,
+            logs, tuple(spec.target for spec in exported.graph_signature.input_specs),
+            tuple(sorted((name, identity.describe(value)) for name, value in exported.constants.items())),
+            boundary))
+    except identity.Unidentifiable:
+        return None

@@ -4,7 +4,6 @@ the emulated IPUs, the user's module kept in sync."""
 import inspect
 import time
 import warnings
-import weakref
 
 import jax
 import numpy as np
@@ -14,9 +13,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ipu_backend.compiler import compile_module, float32_precision
+from ipu_backend.compiler.lowering_options import current_options
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, totals_of
 from ipu_backend.errors import Error
-from ipu_backend.runtime import compile_hooks, host_optimizer, perf_counters, processes, serialization
+from ipu_backend.runtime import compile_hooks, host_optimizer, perf_counters, processes, program_cache, serialization
 from ipu_backend.runtime.lifecycle import (
     NO_EXECUTABLE,
     CompiledStep,
@@ -40,11 +40,6 @@ from ipu_backend.runtime.schedule import Schedule
 from ipu_backend.runtime.stages import has_blocks
 from ipu_backend.runtime.step import OutputLayout, inference_call, initial_scaler, master_copy, training_call
 from ipu_backend.runtime.xla_compile import compile_lowered, executables_from
-
-_PROGRAMS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
-"""Compiled programs per module, shared by its executors: the same model, options, input
-signature and optimizer structure never compile twice in a process."""
-
 
 def _plain(value):
     """A param-group value as something ``==`` compares by content (tensors as lists)."""
@@ -394,10 +389,9 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
 
     def _compile(self, args: tuple, groups: tuple | None, keywords: tuple = ()) -> CompiledStep:
         signature = self._cache_key(args, groups, keywords)
-        compiled = self._compiled.get(signature) or _PROGRAMS.setdefault(self._user_model, {}).get(signature)
+        compiled = self._compiled.get(signature)
         stale = compiled is not None and self._reads_changed(compiled)
         if compiled is not None and not stale and (compiled.rule is None or self._rule_matches(compiled.rule, groups)):
-            self._compiled[signature] = compiled
             return compiled
         if self._last_signature is not None and not stale:
             warnings.warn("the inputs' shapes or dtypes (or torch's float32 precision settings) "
@@ -408,10 +402,9 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         float32_precision.note_compiled(float32_precision.program_key())
         schedule = self._schedule()
         micro = first_micro_batch(args, schedule)
-        started = time.perf_counter()
-        compiled = self._build(micro, schedule, keywords)
-        compiled.started, compiled.inputs = started, serialization.input_specs(args)
-        self._compiled[signature] = _PROGRAMS[self._user_model][signature] = compiled
+        compiled = self._build(micro, schedule, time.perf_counter(), keywords)
+        compiled.inputs = serialization.input_specs(args)
+        self._compiled[signature] = compiled
         return compiled
 
     def _call_arguments(self, compiled: CompiledStep, args: tuple, groups: tuple | None,
@@ -469,16 +462,39 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             self._hyper = cached = (rule, values, hyper)
         return cached[2]
 
-    def _build(self, micro: tuple, schedule: Schedule, keywords: tuple = ()) -> CompiledStep:
+    def _build(self, micro: tuple, schedule: Schedule, started: float, keywords: tuple = ()) -> CompiledStep:
+        """The compiled program of a capture of the model on ``micro``: one the process already
+        compiled for an equal capture (same identity, options, optimizer structure and inputs),
+        else a new one."""
+        program = self._capture(micro, keywords)
+        rule, loss_index, without_gradient = self._rule_and_loss(program)
+        shared_key = None if program.identity is None else (
+            program.identity, self._training, self._step_method, self._settings.key,
+            None if rule is None else rule.structure, self._gradient_clipping, float32_precision.program_key(),
+            input_signature(micro), keywords, current_options())
+        shared = None if shared_key is None else program_cache.SHARED.get(shared_key)
+        if shared is not None:
+            rules = () if rule is None else (rule,) if shared.multi_ipu else (self._packed_rule(program, without_gradient)[1],)
+            return shared.reused(program, rules, started)
+        compiled = self._compiled_step(program, micro, schedule, rule, loss_index, without_gradient)
+        compiled.started, compiled.shared_key = started, shared_key
+        return compiled
+
+    def _capture(self, micro: tuple, keywords: tuple):
+        """The model (or its step method) captured on ``micro`` in this executor's mode."""
         model = self._user_model
         self._store.sync_to_host()
         compile_hooks.run(compile_hooks.PRE_COMPILE)
         try:
             with capture_modes(model, self._training, self._step_method):
-                program = compile_module(model, micro, method=self._step_method, keywords=keywords,
-                                         loop_repeated_layers=self._settings.loop_repeated_layers)
+                return compile_module(model, micro, method=self._step_method, keywords=keywords,
+                                      loop_repeated_layers=self._settings.loop_repeated_layers)
         finally:
             compile_hooks.run(compile_hooks.POST_COMPILE)
+
+    def _compiled_step(self, program, micro: tuple, schedule: Schedule, rule, loss_index,
+                       without_gradient: frozenset) -> CompiledStep:
+        """The device program of ``program`` (not yet compiled, unless split over IPUs)."""
         layout = OutputLayout()
         mesh = self._mesh()
         forward = _forward_with_constants(program, micro)
@@ -493,8 +509,6 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         log_dtypes = program.logged_dtypes()
         totals = totals_of(program.logs)
         log_dtypes.update({name + TOTAL_SUFFIX: log_dtypes[name] for name in totals})
-        rule, loss_index, without_gradient = self._rule_and_loss(program)
-        names = {id(p): n for n, p in torch.nn.Module.named_parameters(model)}
         if has_blocks(program.graph_module) and schedule.processes > 1:
             raise Error("a model split over IPUs (BeginBlock, Block, Stage) runs in one process: several "
                         "processes (Options.Distributed) replicate single-IPU models only")
@@ -506,12 +520,19 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         if not self._training:
             return CompiledStep(inference_call(forward, schedule, mesh, layout, totals), program, layout, dtypes,
                                 log_dtypes, packing=Packing(program.stacks))
+        packing, rule = self._packed_rule(program, without_gradient)
+        call = training_call(forward, loss_index, rule, schedule, mesh, layout, totals)
+        return CompiledStep(call, program, layout, dtypes, log_dtypes, (rule,), packing=packing)
+
+    def _packed_rule(self, program, without_gradient: frozenset) -> tuple:
+        """``(packing, rule)`` of a single-IPU training program: its stacked weights as the optimizer
+        updates them, and the update rule over them (clipping the gradients when asked)."""
+        names = {id(p): n for n, p in torch.nn.Module.named_parameters(self._user_model)}
         packing = Packing(stacks_for_optimizer(program.stacks, self._optimizer, names, without_gradient))
         rule = optimizer_rule(self._optimizer, names, packing.stacks, without_gradient)
         if self._gradient_clipping is not None:
             rule = self._gradient_clipping.wrap(rule)
-        call = training_call(forward, loss_index, rule, schedule, mesh, layout, totals)
-        return CompiledStep(call, program, layout, dtypes, log_dtypes, (rule,), packing=packing)
+        return packing, rule
 
     def _rule_and_loss(self, program) -> tuple:
         """The optimizer's update rule, the index of the loss among ``program``'s array results and

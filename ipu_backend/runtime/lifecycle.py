@@ -10,6 +10,7 @@ placed, the program run, the state it returns kept on the device, the queued hos
 it computes, and the outputs brought to the host in PopTorch's shapes.
 """
 
+import copy
 import logging
 import time
 import warnings
@@ -21,7 +22,7 @@ import torch.utils._pytree as torch_pytree
 
 from ipu_backend.compiler import containers, python_reads
 from ipu_backend.errors import Error
-from ipu_backend.runtime import compilation_cache, host_idle, memory, perf_counters, processes
+from ipu_backend.runtime import compilation_cache, host_idle, memory, perf_counters, processes, program_cache
 from ipu_backend.runtime.devices import replica_mesh
 from ipu_backend.runtime.outputs import output_to_host
 from ipu_backend.runtime.packing import Packing
@@ -62,8 +63,13 @@ class CompiledStep:
         self.events = events
         """A manual-optimization step's backward passes and optimizer steps, in order."""
         self.executable = None
+        self.usage = None
+        """The memory estimate of each IPU, made when it was compiled."""
         self.facts: ProgramFacts | None = None
-        """What recorders are told of it, once compiled."""
+        """What this executor's recorder was told of it, once it had it compiled."""
+        self.shared_key = None
+        """Its key among the process's programs (:data:`~ipu_backend.runtime.program_cache.SHARED`),
+        or None when it is not shared (its capture has no identity)."""
         self.started = time.perf_counter()
         self.seconds = None               # from capture to executable (compilationTime)
         self.inputs = None                # the shapes and dtypes it was compiled for (save)
@@ -71,6 +77,15 @@ class CompiledStep:
     @property
     def rule(self):
         return self.rules[0] if self.rules else None
+
+    def reused(self, program, rules: tuple, started: float) -> "CompiledStep":
+        """This compiled program as another executor uses it: with that executor's own capture
+        ``program`` (of equal identity: its Python reads are that executor's module's) and
+        optimizer ``rules`` (equal in structure, bound to its own optimizers), timed from its
+        capture."""
+        view = copy.copy(self)
+        view.program, view.rules, view.started, view.facts, view.seconds = program, rules, started, None, None
+        return view
 
 
 def input_signature(args: tuple) -> tuple:
@@ -160,7 +175,8 @@ class Executor:
         self.last_program = None
         """The compiled Program that ran in the last call (its ``logs``, output shapes)."""
         self._store = weight_store(model)
-        self._compiled: dict = {}
+        self._compiled = program_cache.ProgramCache()
+        """This executor's compiled programs, by input signature (the latest ones)."""
         self._recaptures = 0
         """How often a changed Python attribute made this executor capture its program again."""
         self._check_processes()
@@ -274,23 +290,27 @@ class Executor:
 
     def _ensure_executable(self, compiled: CompiledStep, call_args: tuple, optimizer_offloaded: bool = False) -> None:
         """Compile ahead of the first call, once (a saved executable may stand in:
-        ``xla_compile.executables_from``), check the memory, tell the recorder and say how long
-        capture and compilation took."""
-        if compiled.executable is not None:
+        ``xla_compile.executables_from``), check the memory, and, the first time this executor
+        uses it, tell the recorder and say how long capture and compilation took."""
+        if compiled.facts is not None:
             return
         spec, check = self._settings.memory()
+        reused = compiled.executable is not None
         if compiled.multi_ipu:
-            executable, usage = compiled.call, compiled.call.memory
-        else:
+            compiled.executable, compiled.usage = compiled.call, compiled.call.memory
+        elif not reused:
             executable = compile_lowered(compiled.call.lower(*call_args))
             usage = memory.single_ipu_usage(executable, call_args[0], self._schedule().replicas // self._mesh().size,
                                             optimizer_offloaded=optimizer_offloaded)
             memory.check(usage, spec, check)
-        compiled.executable = executable
+            compiled.executable, compiled.usage = executable, usage
+        if compiled.shared_key is not None:
+            program_cache.SHARED[compiled.shared_key] = compiled
         compiled.seconds = time.perf_counter() - compiled.started
-        compiled.facts = self._facts(compiled, usage, spec)
+        compiled.facts = self._facts(compiled, compiled.usage, spec)
         self._profiler.compiled(compiled.facts, call_args)
-        logger.info("compiled the %s program in %.2f s", self._kind(compiled), time.perf_counter() - compiled.started)
+        logger.info("%s the %s program in %.2f s", "reused" if reused else "compiled", self._kind(compiled),
+                    compiled.seconds)
 
     def _kind(self, compiled: CompiledStep) -> str:
         return "training" if self._training else "inference"

@@ -164,6 +164,14 @@ class OptimizerRule:
         the gradients divided by it before ``update``."""
         return hyper["loss_scaling"]
 
+    @property
+    def structure(self) -> tuple:
+        """What a program compiled with this rule bakes in of it: equal for rules that update
+        the same parameters (by name) alike, whatever optimizer object they were built from."""
+        return (type(self), self.groups, tuple(sorted(self.stacked.items())), tuple(sorted(self.without_gradient)),
+                tuple((name, self._options[name]) for name in sorted(self._options)),
+                tuple(tuple(sorted(options.items())) for options in self._group_options), self.accum_dtype)
+
     def matches(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether this rule (and a program compiled with it) can run ``optimizer``."""
         return not self._changes(optimizer)

@@ -83,7 +83,8 @@ class RunSettings:
     log_cycle_count: bool = False           # cycleCount answers
     compilation_time_shown: bool = True     # compilationTime answers (showCompilationProgressBar)
     key: str = ""
-    """Every setting of the options (the ones above and those without effect), as text: programs
+    """Every setting of the options that a compiled program depends on (the ones above and those
+    without effect, but not the seed or the report directory), as text: programs
     compiled with equal keys are interchangeable."""
 
     def memory(self) -> tuple[IpuSpec, str]:

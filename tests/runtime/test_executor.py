@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import ipu_backend as poptorch
 from ipu_backend.runtime import lifecycle as executor_module
+from ipu_backend.runtime import program_cache
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -442,7 +443,8 @@ def test_options_freeze_once_used():
         opts.deviceIterations(2)
 
 
-def test_programs_are_compiled_once_per_model_options_and_signature(caplog):
+def test_programs_are_compiled_once_per_model_options_and_signature(caplog, monkeypatch):
+    monkeypatch.setattr(program_cache, "SHARED", program_cache.ProgramCache())
     net = Regression()
     x = torch.randn(4, 6)
     with caplog.at_level("INFO", logger="ipu_backend"):
