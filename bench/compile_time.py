@@ -6,7 +6,7 @@ positions T=128, blocks of LayerNorm → qkv Linear → ``scaled_dot_product_att
 ``trainingModel`` with deviceIterations=1, compiled by ``model.compile(x, y)``.
 
 Every measurement runs in a fresh process: *cold* with an empty executable cache
-(``Options.enableExecutableCaching(<temp dir>)``, JAX's persistent compilation cache), *warm* in a
+(``Options.enableExecutableCaching(<temp dir>)``, the persistent executable cache), *warm* in a
 second process on the same directory. The GPT's blocks compile as one loop by default
 (``Options.loopRepeatedLayers``); ``unrolled`` runs turn that off. Phases come from
 ``jax.monitoring`` events: the compiler's capture (torch.export and decomposition), JAX's tracing

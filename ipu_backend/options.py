@@ -86,15 +86,14 @@ from ipu_backend.option_values import (
     parse_member,
 )
 from ipu_backend.runtime.optimizers import needs_running_mean
-from ipu_backend.runtime.settings import UNSUPPORTED_STAGING, RunSettings, Staging
+from ipu_backend.runtime.settings import AUTO_CACHE_DIR, UNSUPPORTED_STAGING, RunSettings, Staging
 
 __all__ = ["ConfigFileError", "FailedCheck", "FrozenOptionsError", "InvalidArgument", "Options",
            "TensorLocationSettings", "WrongArgumentType", "in_force", "parse_member"]
 
 
-_OUTSIDE_THE_PROGRAM = frozenset({"random_seed", "profiling_dir"})
-"""Settings that do not change a compiled program (the seed is one of its inputs). The cache
-directory stays in the key: a program is written to the persistent cache only where it compiles."""
+_OUTSIDE_THE_PROGRAM = frozenset({"random_seed", "profiling_dir", "executable_cache_dir"})
+"""Settings that do not change a compiled program (the seed is one of its inputs)."""
 
 
 _DEFAULT_SOURCE_LOCATION_EXCLUDES = ["install/poptorch", "site-packages/torch",
@@ -148,7 +147,7 @@ class Options(_OptionGroup):
             weights_on_chip: bool = True,
             activations_on_chip: bool = True,
             accumulators_on_chip: bool = True,
-            executable_cache_dir: str | None = None,
+            executable_cache_dir: str | None = AUTO_CACHE_DIR,
             auto_round_num_ipus: bool = False,
             broadcast_buffers: bool = True,
             profiling_dir: str | None = None,
@@ -244,7 +243,9 @@ class Options(_OptionGroup):
         "execution_strategy",
         "How the model is split over IPUs, or None for the default (pipelined by block).")
     executable_cache_dir = _emulated(
-        "executable_cache_dir", "Directory caching compiled programs, or None.")
+        "executable_cache_dir",
+        "Directory caching compiled programs, ``\"auto\"`` (``$IPU_BACKEND_CACHE_DIR``, else the user's "
+        "cache directory) or None (no caching).")
     auto_round_num_ipus = _emulated(
         "auto_round_num_ipus", "Whether the number of IPUs is rounded up to a power of 2.")
     broadcast_buffers = _emulated(
@@ -320,7 +321,10 @@ class Options(_OptionGroup):
 
     @_unless_frozen
     def enableExecutableCaching(self, path: str | None) -> Self:
-        """Cache compiled programs in directory ``path``; None turns caching off."""
+        """Cache this executor's compiled programs in directory ``path``; None turns caching off.
+        Without this call they are cached in ``$IPU_BACKEND_CACHE_DIR`` (``off``: not cached), else
+        PopTorch's ``$POPTORCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/ipu_backend`` or
+        ``~/.cache/ipu_backend`` (``path="auto"`` restores this)."""
         self._values["executable_cache_dir"] = _path_or_none(path, "path")
         return self
 

@@ -46,7 +46,7 @@ def test_defaults_read_back_as_poptorch():
     tensor_locations = opts.TensorLocations
     assert tensor_locations.optimizer_on_chip and tensor_locations.weights_on_chip
     assert tensor_locations.activations_on_chip and tensor_locations.accumulators_on_chip
-    assert opts.executable_cache_dir is None
+    assert opts.executable_cache_dir == "auto"
     assert opts.auto_round_num_ipus is False
     assert opts.broadcast_buffers is True
     assert opts.profiling_dir is None
@@ -84,7 +84,9 @@ def test_method_form_chains_and_reads_back():
     assert opts.auto_round_num_ipus is True and opts.broadcast_buffers is False
     assert opts.profiling_dir == "/tmp/profile"
     assert Options().enableProfiling().profiling_dir == "."
-    assert Options().enableExecutableCaching("/c").enableExecutableCaching(None) == Options()
+    assert Options().enableExecutableCaching("/c").enableExecutableCaching("auto") == Options()
+    assert Options().enableExecutableCaching(None).executable_cache_dir is None
+    assert Options(executable_cache_dir=None) == Options().enableExecutableCaching(None) != Options()
 
 
 def test_keywords_equal_method_form_and_strings_are_case_insensitive():

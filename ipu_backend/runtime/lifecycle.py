@@ -22,7 +22,7 @@ import torch.utils._pytree as torch_pytree
 
 from ipu_backend.compiler import containers, python_reads
 from ipu_backend.errors import Error
-from ipu_backend.runtime import compilation_cache, host_idle, memory, perf_counters, processes, program_cache
+from ipu_backend.runtime import executable_cache, host_idle, memory, perf_counters, processes, program_cache
 from ipu_backend.runtime.devices import replica_mesh
 from ipu_backend.runtime.outputs import output_to_host
 from ipu_backend.runtime.packing import Packing
@@ -32,7 +32,7 @@ from ipu_backend.runtime.schedule import Schedule
 from ipu_backend.runtime.settings import RunSettings
 from ipu_backend.runtime.step import OutputLayout
 from ipu_backend.runtime.weights import release, weight_store
-from ipu_backend.runtime.xla_compile import compile_lowered
+from ipu_backend.runtime.xla_compile import compile_lowered, substituted
 
 logger = logging.getLogger("ipu_backend")
 
@@ -197,7 +197,8 @@ class Executor:
         if training:
             self._store.on_host_sync.append(self._optimizer_states_to_host)
             self._store.on_host_load.append(self._host_weights_loaded)
-        compilation_cache.configure(self._settings.executable_cache_dir)
+        self._executable_cache = executable_cache.for_setting(self._settings.executable_cache_dir)
+        """Where this executor's programs are kept on disk (None: they are not)."""
         self._profiler = recorder if recorder is not None else NullRecorder()
         """Where the executor reports its compilations and calls."""
 
@@ -295,11 +296,13 @@ class Executor:
         if compiled.facts is not None:
             return
         spec, check = self._settings.memory()
-        reused = compiled.executable is not None
+        how = "reused" if compiled.executable is not None else "compiled"
         if compiled.multi_ipu:
             compiled.executable, compiled.usage = compiled.call, compiled.call.memory
-        elif not reused:
-            executable = compile_lowered(compiled.call.lower(*call_args))
+        elif how == "reused":
+            self._keep_on_disk(compiled)
+        else:
+            executable, how = self._executable(compiled, call_args)
             usage = memory.single_ipu_usage(executable, call_args[0], self._schedule().replicas // self._mesh().size,
                                             optimizer_offloaded=optimizer_offloaded)
             memory.check(usage, spec, check)
@@ -309,8 +312,36 @@ class Executor:
         compiled.seconds = time.perf_counter() - compiled.started
         compiled.facts = self._facts(compiled, compiled.usage, spec)
         self._profiler.compiled(compiled.facts, call_args)
-        logger.info("%s the %s program in %.2f s", "reused" if reused else "compiled", self._kind(compiled),
-                    compiled.seconds)
+        logger.info("%s the %s program in %.2f s", how, self._kind(compiled), compiled.seconds)
+
+    def _executable(self, compiled: CompiledStep, call_args: tuple):
+        """``(executable, how)``: the XLA executable of a single-IPU program, ``"loaded"`` from this
+        executor's executable cache, else ``"compiled"`` (and written to the cache)."""
+        cache, key = self._executable_cache, self._entry_key(compiled)
+        if key is not None:
+            entry = cache.load(key, list(self._mesh().devices.flat))
+            if entry is not None:
+                executable, layout = entry
+                compiled.layout.restore(layout)
+                return executable, "loaded"
+        executable = compile_lowered(compiled.call.lower(*call_args))
+        if key is not None:
+            cache.store(key, executable, compiled.layout.state())
+        return executable, "compiled"
+
+    def _entry_key(self, compiled: CompiledStep) -> str | None:
+        """The key of ``compiled`` in this executor's executable cache (None: not cached: no
+        cache, a program without identity, a saved program standing in, several processes)."""
+        if (self._executable_cache is None or compiled.shared_key is None or substituted()
+                or self._schedule().processes > 1):
+            return None
+        return executable_cache.entry_key(compiled.shared_key)
+
+    def _keep_on_disk(self, compiled: CompiledStep) -> None:
+        """Write a program another executor compiled into this executor's cache, if not there."""
+        key = self._entry_key(compiled)
+        if key is not None and not self._executable_cache.holds(key):
+            self._executable_cache.store(key, compiled.executable, compiled.layout.state())
 
     def _kind(self, compiled: CompiledStep) -> str:
         return "training" if self._training else "inference"

@@ -14,6 +14,7 @@ load only files you trust.
 import hashlib
 import os
 import pickle
+import weakref
 from dataclasses import dataclass
 
 import jax
@@ -47,6 +48,25 @@ def example_inputs(specs) -> tuple:
         lambda x: torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, InputSpec) else x, specs)
 
 
+_LOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""Each executable loaded from bytes -> ``(payload, in_tree, out_tree)`` it was loaded from."""
+
+
+def serialized(executable) -> tuple:
+    """``(payload, in_tree, out_tree)`` of ``executable``: the bytes it was loaded from, if it was
+    loaded (XLA:CPU cannot serialize a loaded executable again: the copy lacks its compiled
+    functions), else its serialization."""
+    loaded = _LOADED.get(executable)
+    return loaded if loaded is not None else serialize_executable.serialize(executable)
+
+
+def deserialized(payload: bytes, in_tree, out_tree, devices: list):
+    """The executable ``payload`` holds, loaded onto ``devices`` (and remembered with its bytes)."""
+    executable = serialize_executable.deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
+    _LOADED[executable] = (payload, in_tree, out_tree)
+    return executable
+
+
 def fingerprint(lowered) -> str:
     """What identifies a program: a hash of its lowered text."""
     return hashlib.sha256(lowered.as_text().encode()).hexdigest()
@@ -71,7 +91,7 @@ class Recording:
 
     def __call__(self, lowered):
         executable = next(self._executables)
-        payload, _, _ = serialize_executable.serialize(executable)
+        payload, _, _ = serialized(executable)
         self.programs.append({"executable": payload, "fingerprint": fingerprint(lowered),
                               "devices": _devices(executable)})
         return executable
@@ -95,9 +115,8 @@ class Loading:
         saved = self._programs[self.used]
         self.used += 1
         by_id = {device.id: device for device in jax.devices()}
-        return serialize_executable.deserialize_and_load(
-            saved["executable"], lowered.in_tree, lowered.out_tree,
-            execution_devices=[by_id[i] for i in saved["devices"]])
+        return deserialized(saved["executable"], lowered.in_tree, lowered.out_tree,
+                            [by_id[i] for i in saved["devices"]])
 
     def check_complete(self) -> None:
         """Every saved program was loaded (none when the model was compiled already)."""

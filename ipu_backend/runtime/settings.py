@@ -11,6 +11,9 @@ from ipu_backend.errors import Error
 from ipu_backend.hardware import DEFAULT_CHECK, MK2, IpuSpec
 
 PIPELINED_STAGING, SHARDED_STAGING, UNSUPPORTED_STAGING = "pipelined", "sharded", "unsupported"
+AUTO_CACHE_DIR = "auto"
+"""``executable_cache_dir``'s default: ``$IPU_BACKEND_CACHE_DIR``, else the user's cache directory
+(see :mod:`~ipu_backend.runtime.executable_cache`)."""
 PARALLEL_PHASES, SERIAL_PHASES = "parallel", "serial"
 
 
@@ -72,7 +75,7 @@ class RunSettings:
     optimizer_on_chip: bool = True
     broadcast_buffers: bool = True
     random_seed: int | None = None
-    executable_cache_dir: str | None = None
+    executable_cache_dir: str | None = AUTO_CACHE_DIR     # None: off
     auto_round_num_ipus: bool = False
     recomputation: int = 0                  # PopART's autoRecomputation (a RecomputationType value)
     ipu_spec: IpuSpec = MK2
@@ -84,7 +87,7 @@ class RunSettings:
     compilation_time_shown: bool = True     # compilationTime answers (showCompilationProgressBar)
     key: str = ""
     """Every setting of the options that a compiled program depends on (the ones above and those
-    without effect, but not the seed or the report directory), as text: programs
+    without effect, but not the seed, the cache or the report directory), as text: programs
     compiled with equal keys are interchangeable."""
 
     def memory(self) -> tuple[IpuSpec, str]:

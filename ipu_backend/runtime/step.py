@@ -207,6 +207,15 @@ class OutputLayout:
         self.static = [_ARRAY if isinstance(leaf, jax.Array) else leaf for leaf in leaves]
         return [leaf for leaf in leaves if isinstance(leaf, jax.Array)]
 
+    def state(self) -> tuple:
+        """What tracing recorded, as plain data (kept with a cached executable)."""
+        return self.spec, [(True, None) if leaf is _ARRAY else (False, leaf) for leaf in self.static]
+
+    def restore(self, state: tuple) -> None:
+        """Take the record :meth:`state` gave, as if the program had been traced."""
+        self.spec, static = state
+        self.static = [_ARRAY if is_array else leaf for is_array, leaf in static]
+
     def join(self, arrays):
         arrays = iter(arrays)
         leaves = [next(arrays) if s is _ARRAY else s for s in self.static]

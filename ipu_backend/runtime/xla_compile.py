@@ -25,6 +25,12 @@ def executables_from(source):
         _SOURCE.reset(token)
 
 
+def substituted() -> bool:
+    """Whether :func:`executables_from` hands out the executables here (a cached one must not
+    stand in for it)."""
+    return _SOURCE.get() is not None
+
+
 def compile_lowered(lowered):
     """``lowered.compile()``, with :data:`CPU_OPTIONS` when it compiles for XLA:CPU (or the
     executable of :func:`executables_from`'s source)."""

@@ -443,8 +443,9 @@ def test_options_freeze_once_used():
         opts.deviceIterations(2)
 
 
-def test_programs_are_compiled_once_per_model_options_and_signature(caplog, monkeypatch):
+def test_programs_are_compiled_once_per_model_options_and_signature(caplog, monkeypatch, tmp_path):
     monkeypatch.setattr(program_cache, "SHARED", program_cache.ProgramCache())
+    monkeypatch.setenv("IPU_BACKEND_CACHE_DIR", str(tmp_path))
     net = Regression()
     x = torch.randn(4, 6)
     with caplog.at_level("INFO", logger="ipu_backend"):

@@ -40,15 +40,17 @@ class Weighted(torch.nn.Module):
 
 
 @pytest.fixture
-def fresh_programs(monkeypatch):
-    """An empty process-wide program cache, so that the test sees its own compilations."""
+def fresh_programs(monkeypatch, tmp_path):
+    """Empty program caches, in the process and on disk, so that the test sees its own compilations."""
     cache = program_cache.ProgramCache()
     monkeypatch.setattr(program_cache, "SHARED", cache)
+    monkeypatch.setenv("IPU_BACKEND_CACHE_DIR", str(tmp_path / "executables"))
     return cache
 
 
 def compiled_lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(("compiled the", "reused the"))]
+    return [r.getMessage() for r in caplog.records
+            if r.getMessage().startswith(("compiled the", "reused the", "loaded the"))]
 
 
 def data(n: int = 4):

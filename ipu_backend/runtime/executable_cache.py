@@ -1,0 +1,201 @@
+"""The persistent executable cache: compiled programs on disk, so that a second process (or a
+program evicted from memory) starts without tracing or compiling.
+
+Where (each executor follows its own options): ``Options.enableExecutableCaching(path)`` caches in
+``path``, ``enableExecutableCaching(None)`` not at all; left at its default (``"auto"``) it is
+``$IPU_BACKEND_CACHE_DIR`` when set (``off`` turns caching off), else PopTorch's
+``$POPTORCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/ipu_backend``, else ``~/.cache/ipu_backend``.
+
+An entry's key is a digest of the program's key in the process (the capture's identity, the
+options that change the program, the optimizer's structure, the inputs, the lowering options;
+see :mod:`~ipu_backend.runtime.program_cache`) and of what compiled it: this package's source,
+the torch, JAX, jaxlib and Python versions, the backend, its device kind and count, and the XLA
+flags. A program whose key has no stable description is not cached. An entry holds the XLA
+executable, its argument and result structures and the program's output layout; it is read
+only by this package, from the user's own directory (it is a pickle, as JAX's cache entries are).
+
+The directory is bounded (``$IPU_BACKEND_CACHE_SIZE_MB``, 1024 MiB unless set): after each
+write the least recently used entries (by modification time, which a read renews) are removed
+until it fits.
+"""
+
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import pickle
+import platform
+import tempfile
+
+import jax
+import jaxlib
+import torch
+
+from ipu_backend.compiler.identity import Unidentifiable, describe
+from ipu_backend.errors import Error
+from ipu_backend.runtime import serialization
+from ipu_backend.runtime.settings import AUTO_CACHE_DIR
+
+logger = logging.getLogger("ipu_backend")
+
+DIRECTORY_VARIABLE = "IPU_BACKEND_CACHE_DIR"
+POPTORCH_VARIABLE = "POPTORCH_CACHE_DIR"
+"""PopTorch's variable: caching for every model that does not set its own path."""
+OFF = "off"
+"""The value of ``$IPU_BACKEND_CACHE_DIR`` that turns caching off."""
+SIZE_VARIABLE = "IPU_BACKEND_CACHE_SIZE_MB"
+DEFAULT_SIZE_MB = 1024
+SUFFIX = ".ipu-executable"
+FORMAT = 1
+
+
+def directory(setting: str | None) -> str | None:
+    """The directory an executor with this ``executable_cache_dir`` setting caches in, or None."""
+    if setting is None:
+        return None
+    if setting != AUTO_CACHE_DIR:
+        return setting
+    from_environment = os.environ.get(DIRECTORY_VARIABLE, "") or os.environ.get(POPTORCH_VARIABLE, "")
+    if from_environment.strip().lower() == OFF:
+        return None
+    if from_environment:
+        return from_environment
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ipu_backend")
+
+
+def size_limit() -> int:
+    """The directory's bound in bytes."""
+    text = os.environ.get(SIZE_VARIABLE, "")
+    if not text:
+        return DEFAULT_SIZE_MB * 2**20
+    if not text.isdigit():
+        raise Error(f"{SIZE_VARIABLE}={text!r}: give the cache's size in MiB (a whole number)")
+    return int(text) * 2**20
+
+
+@functools.cache
+def _source_digest() -> str:
+    """A digest of this package's Python source: a changed program builder is another key."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def environment() -> tuple:
+    """What compiled a program besides its key: source, versions, backend and flags."""
+    devices = jax.devices()
+    return (_source_digest(), torch.__version__, jax.__version__, jaxlib.__version__, platform.python_version(),
+            jax.default_backend(), devices[0].device_kind, devices[0].client.platform_version, len(devices),
+            os.environ.get("XLA_FLAGS", ""), jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision))
+
+
+def entry_key(program_key: tuple) -> str | None:
+    """The file name stem of a program's entry, or None when its key has no stable description."""
+    try:
+        text = describe((program_key, environment()))
+    except Unidentifiable:
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class ExecutableCache:
+    """Entries in ``root`` (made when first written), bounded to ``limit`` bytes."""
+
+    def __init__(self, root: str, limit: int | None = None):
+        self.root = root
+        self.limit = size_limit() if limit is None else limit
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, key + SUFFIX)
+
+    def holds(self, key: str) -> bool:
+        return os.path.exists(self._path(key))
+
+    def load(self, key: str, devices: list):
+        """``(executable, layout state)`` stored under ``key``, loaded onto ``devices``, or None."""
+        path = self._path(key)
+        try:
+            with open(path, "rb") as file:
+                entry = pickle.load(file)
+            os.utime(path)
+        except (FileNotFoundError, NotADirectoryError):      # not cached (yet)
+            return None
+        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError) as error:
+            logger.warning("ignoring the unreadable executable cache entry %s (%s)", path, error)
+            return None
+        if not isinstance(entry, dict) or entry.get("format") != FORMAT:
+            return None
+        try:
+            executable = serialization.deserialized(entry["executable"], entry["in_tree"], entry["out_tree"], devices)
+        except (jax.errors.JaxRuntimeError, ValueError) as error:
+            logger.warning("compiling again: the cached executable %s does not load (%s)", path, error)
+            return None
+        return executable, entry["layout"]
+
+    def store(self, key: str, executable, layout_state) -> None:
+        """Write ``executable`` (and the program's output layout) under ``key``, then keep the
+        directory within its bound. A program XLA cannot serialize is left out."""
+        try:
+            payload, in_tree, out_tree = serialization.serialized(executable)
+        except (ValueError, NotImplementedError, AttributeError, TypeError, pickle.PicklingError) as error:
+            # e.g. a program calling back into Python (ipu_print_tensor): its callbacks do not pickle
+            logger.info("not caching a program on disk: XLA cannot serialize it (%s)", error)
+            return
+        try:
+            data = pickle.dumps({"format": FORMAT, "executable": payload, "in_tree": in_tree, "out_tree": out_tree,
+                                 "layout": layout_state}, protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, TypeError, AttributeError) as error:
+            logger.info("not caching a program on disk: its outputs do not pickle (%s)", error)
+            return
+        try:
+            self._write(key, data)
+            self.evict()
+        except OSError as error:
+            logger.warning("not caching a program on disk: the executable cache %s cannot be written (%s); "
+                           "move it with $%s or Options().enableExecutableCaching(path), or turn it off with "
+                           "%s=%s", self.root, error, DIRECTORY_VARIABLE, DIRECTORY_VARIABLE, OFF)
+
+    def _write(self, key: str, data: bytes) -> None:
+        """``data`` as the entry ``key``, whole or not at all (another process may read it)."""
+        os.makedirs(self.root, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=self.root, suffix=".partial")
+        try:
+            with os.fdopen(handle, "wb") as file:
+                file.write(data)
+            os.replace(temporary, self._path(key))
+        except BaseException:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+            raise
+
+    def evict(self) -> None:
+        """Remove the least recently used entries until the directory fits its bound."""
+        entries = []
+        with os.scandir(self.root) as listing:
+            for item in listing:
+                if item.name.endswith(SUFFIX):
+                    try:
+                        status = item.stat()
+                    except FileNotFoundError:
+                        continue
+                    entries.append((status.st_mtime_ns, status.st_size, item.path))
+        total = sum(size for _, size, _ in entries)
+        for _, size, path in sorted(entries):
+            if total <= self.limit:
+                break
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            total -= size
+
+
+def for_setting(setting: str | None) -> ExecutableCache | None:
+    """The cache an executor with this ``executable_cache_dir`` setting uses (None: off)."""
+    root = directory(setting)
+    return None if root is None else ExecutableCache(root)
