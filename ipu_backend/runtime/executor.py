@@ -419,7 +419,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         inputs = inputs_to_device(args, schedule, mesh) if place_inputs else host_inputs(args, schedule)
         key = self._base_key()
         index = np.uint32(self._next_call_index() if advance else 0)
-        self._start()
+        self._start(compiled.packing)
         params, buffers = self._store.device_state(compiled.packing)
         state = {"params": params, "buffers": buffers}
         if self._training:

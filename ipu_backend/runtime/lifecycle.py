@@ -401,12 +401,13 @@ class Executor:
                 rule.state_to_torch(state, optimizer)
             self._opt_states_on_host = True
 
-    def _start(self) -> None:
+    def _start(self, packing: Packing = Packing()) -> None:
         """Before a call (or ``compile``): a new executor starts from the module's current host
-        weights and buffers, host writes included; a Lightning step also takes the host writes
-        callbacks made since its last call (see ``weights.py``)."""
+        weights and buffers, host writes included, its parameters laid out as ``packing`` says
+        (stacked on the host: no conversion on the device); a Lightning step also takes the host
+        writes callbacks made since its last call (see ``weights.py``)."""
         if not self._started:
             self._started = True
-            self._store.load_from_host()
+            self._store.load_from_host(packing)
         elif self._step_method is not None:
             self._store.load_host_writes()

@@ -455,3 +455,25 @@ def test_a_run_split_over_pipeline_stages_loops_within_each(recompute):
     assert [sum(node.target is layer_loop for node in stage.nodes) for stage in program.part.stages] == [1, 1]
     torch.testing.assert_close(losses, torch.stack(expected), rtol=RTOL, atol=ATOL)
     assert_same_state(model, reference)
+
+
+def test_a_first_call_takes_the_weights_stacked_from_the_host(monkeypatch):
+    """A new executor stacks a loop's weights on the host as its program takes them: no device
+    conversion (a small compiled program of its own) before the first call."""
+    from ipu_backend.runtime import packing
+    conversions = []
+    convert = packing._convert
+    monkeypatch.setattr(packing, "_convert", lambda *args: conversions.append(args) or convert(*args))
+    torch.manual_seed(0)
+    net = TinyGPT(3)
+    reference = copy.deepcopy(net)
+    model = poptorch.trainingModel(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    tokens, targets = gpt_batch()
+    model(tokens, targets)
+    assert conversions == []
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference(tokens, targets)[1].backward()
+    optimizer.step()
+    model.copyWeightsToHost()
+    for (name, p), q in zip(net.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL, msg=name)
