@@ -28,6 +28,7 @@ bench: setup
 	$(PY) bench/core_scaling.py
 	$(PY) bench/pipeline_overhead.py
 	$(PY) bench/lightning_trainer.py
+	$(PY) bench/short_fit.py
 	$(PY) bench/plots.py
 
 # The performance guide's images (docs/img/): the throughput chart from bench/results/*.json and
