@@ -22,6 +22,7 @@ from ipu_backend.hardware import MK2
 from ipu_backend.options import Options
 from ipu_backend.profiling import DEFAULT_DIR, recorder_for
 from ipu_backend.runtime.clipping import GradientClipping
+from ipu_backend.runtime.compile_progress import shown_by as compilations_shown_by
 from ipu_backend.runtime.devices import memory_in_use
 from ipu_backend.runtime.executor import PoplarExecutor
 from ipu_backend.runtime.manual import ManualStepExecutor, SchedulerStep, Step, StepEvents
@@ -29,6 +30,7 @@ from ipu_backend.runtime.manual import ManualStepExecutor, SchedulerStep, Step, 
 __all__ = [
     "DEFAULT_REPORT_DIR", "MK2", "TOTAL_SUFFIX", "GradientClipping", "ManualStepExecutor", "PoplarExecutor",
     "SchedulerStep", "Step", "StepEvents", "all_gather", "annotated_ipu_ids", "barrier", "broadcast_object",
+    "compilations_shown_by",
     "coordinator_from_environment", "ipu_run_instance", "join_processes", "manual_step_executor",
     "memory_in_use", "metrics_of", "step_arguments", "step_executor",
 ]

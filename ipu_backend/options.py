@@ -521,7 +521,9 @@ class Options(_OptionGroup):
 
     @_unless_frozen
     def showCompilationProgressBar(self, show: bool = True) -> Self:
-        """Inert: compilation shows no progress bar."""
+        """Whether a compilation shows its phases and elapsed time on the terminal (standard
+        error, when it is one); the environment variable ``IPU_BACKEND_COMPILATION_PROGRESS=0``
+        turns the display off everywhere."""
         self._record("show_compilation_progress_bar", _bool(show, "show"))
         return self
 
@@ -620,7 +622,7 @@ class Options(_OptionGroup):
             ipu_spec=self.ipu_spec, memory_check=self.memory_check, staging=_staging(self.execution_strategy),
             loop_repeated_layers=self.loop_repeated_layers,
             updatable_named_buffers=tuple(self.updatable_named_buffers), log_cycle_count=self.log_cycle_count,
-            compilation_time_shown=self.show_compilation_progress_bar,
+            show_compilation_progress=self.show_compilation_progress_bar,
             key=repr((sorted((k, v) for k, v in self.toDict().items() if k not in _OUTSIDE_THE_PROGRAM),
                       self.Distributed.numProcesses)))
 

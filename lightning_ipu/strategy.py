@@ -79,7 +79,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import ipu_backend
 from ipu_backend import lightning_seam as seam
-from lightning_ipu import _counters, _data, _loop_progress, _metrics, _outputs, _processes, _short_batches
+from lightning_ipu import _compile_progress, _counters, _data, _loop_progress, _metrics, _outputs, _processes, _short_batches
 
 from .precision import IPUPrecision
 
@@ -166,6 +166,9 @@ class IPUStrategy(ParallelStrategy):
         self._accumulate_grad_batches: int | None = None
         self._num_nodes = 1
         self._rank, self._processes = 0, 1
+        self._compilations_shown = contextlib.ExitStack()
+        """From ``setup`` to ``teardown``: compilations show their phases through the Trainer's
+        progress bar (``_compile_progress.py``)."""
         self._restored_random_states: dict[str, list[int]] = {}
         """Random states read from the checkpoint being resumed, for the steps not compiled yet."""
 
@@ -381,6 +384,7 @@ class IPUStrategy(ParallelStrategy):
         if fitting:
             self._check_training(trainer)
         self.poptorch_models = {stage: self._executor(method) for stage, method in _stage_methods(trainer)}
+        self._compilations_shown.enter_context(seam.compilations_shown_by(_compile_progress.display(trainer)))
 
     def _check_hooks(self, module, trainer) -> None:
         for owner in (module, trainer.datamodule):
@@ -422,6 +426,7 @@ class IPUStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self._compilations_shown.close()
         for executor in self._executors.values():
             executor.destroy()
         self._executors = {}

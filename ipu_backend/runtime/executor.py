@@ -17,6 +17,7 @@ from ipu_backend.compiler.lowering_options import current_options
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, totals_of
 from ipu_backend.errors import Error
 from ipu_backend.runtime import compile_hooks, host_optimizer, perf_counters, processes, program_cache, serialization
+from ipu_backend.runtime.compile_progress import CAPTURE, phase
 from ipu_backend.runtime.lifecycle import (
     NO_EXECUTABLE,
     CompiledStep,
@@ -134,14 +135,15 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         args, keywords = self._bind(args, kwargs)
         self._profiler.started()
         groups = self._param_groups()
-        compiled = self._compile(args, groups, keywords)
-        if compiled.program.index_inputs:
-            check_index_inputs(args, compiled.program.index_inputs)
-        if not self._attached:
-            self.attachToDevice()
-        call_args = self._call_arguments(compiled, args, groups,
-                                         place_inputs=compiled.executable is None or self._profiler.times_inputs)
-        self._ensure_executable(compiled, call_args, self._offloads_optimizer_state(compiled))
+        with self._compilation():
+            compiled = self._compile(args, groups, keywords)
+            if compiled.program.index_inputs:
+                check_index_inputs(args, compiled.program.index_inputs)
+            if not self._attached:
+                self.attachToDevice()
+            call_args = self._call_arguments(compiled, args, groups,
+                                             place_inputs=compiled.executable is None or self._profiler.times_inputs)
+            self._ensure_executable(compiled, call_args, self._offloads_optimizer_state(compiled))
         return self._run(compiled, call_args, args)
 
     def compile(self, *args, **kwargs) -> None:
@@ -150,9 +152,10 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             args, keywords = self._bind(args, kwargs)
             self._profiler.started()
             groups = self._param_groups()
-            compiled = self._compile(args, groups, keywords)
-            self._ensure_executable(compiled, self._call_arguments(compiled, args, groups, advance=False),
-                                    self._offloads_optimizer_state(compiled))
+            with self._compilation():
+                compiled = self._compile(args, groups, keywords)
+                self._ensure_executable(compiled, self._call_arguments(compiled, args, groups, advance=False),
+                                        self._offloads_optimizer_state(compiled))
 
     def isCompiled(self) -> bool:  # noqa: N802
         return any(c.executable is not None for c in self._compiled.values())
@@ -189,7 +192,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         args = serialization.example_inputs(data["inputs"])
         self._profiler.started()
         groups = self._param_groups()
-        with executables_from(serialization.Loading(data, filename)) as loading:
+        with executables_from(serialization.Loading(data, filename)) as loading, self._compilation():
             compiled = self._compile(args, groups)       # a split model compiles its stages here
             self._ensure_executable(compiled, self._call_arguments(compiled, args, groups, advance=False),
                                     self._offloads_optimizer_state(compiled))
@@ -486,7 +489,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         self._store.sync_to_host()
         compile_hooks.run(compile_hooks.PRE_COMPILE)
         try:
-            with capture_modes(model, self._training, self._step_method):
+            with capture_modes(model, self._training, self._step_method), phase(CAPTURE):
                 return compile_module(model, micro, method=self._step_method, keywords=keywords,
                                       loop_repeated_layers=self._settings.loop_repeated_layers)
         finally:

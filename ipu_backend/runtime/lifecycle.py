@@ -5,9 +5,10 @@
 Once: the options are frozen (the executor keeps its own frozen copy and reads them as
 :class:`~ipu_backend.runtime.settings.RunSettings`), the seed is drawn, the executable cache set
 up, and the module's weight store joined. Per input signature: the program is built and, ahead
-of its first call, compiled, its memory checked and the recorder told. Per call: the arguments
-placed, the program run, the state it returns kept on the device, the queued host work run while
-it computes, and the outputs brought to the host in PopTorch's shapes.
+of its first call, compiled (its phases shown and logged: ``compile_progress.py``), its memory
+checked and the recorder told. Per call: the arguments placed, the program run, the state it
+returns kept on the device, the queued host work run while it computes, and the outputs brought
+to the host in PopTorch's shapes.
 """
 
 import copy
@@ -22,7 +23,15 @@ import torch.utils._pytree as torch_pytree
 
 from ipu_backend.compiler import containers, python_reads
 from ipu_backend.errors import Error
-from ipu_backend.runtime import executable_cache, host_idle, memory, perf_counters, processes, program_cache
+from ipu_backend.runtime import (
+    compile_progress,
+    executable_cache,
+    host_idle,
+    memory,
+    perf_counters,
+    processes,
+    program_cache,
+)
 from ipu_backend.runtime.devices import replica_mesh
 from ipu_backend.runtime.outputs import output_to_host
 from ipu_backend.runtime.packing import Packing
@@ -32,7 +41,7 @@ from ipu_backend.runtime.schedule import Schedule
 from ipu_backend.runtime.settings import RunSettings
 from ipu_backend.runtime.step import OutputLayout
 from ipu_backend.runtime.weights import release, weight_store
-from ipu_backend.runtime.xla_compile import compile_lowered, substituted
+from ipu_backend.runtime.xla_compile import compile_jitted, substituted
 
 logger = logging.getLogger("ipu_backend")
 
@@ -292,7 +301,8 @@ class Executor:
     def _ensure_executable(self, compiled: CompiledStep, call_args: tuple, optimizer_offloaded: bool = False) -> None:
         """Compile ahead of the first call, once (a saved executable may stand in:
         ``xla_compile.executables_from``), check the memory, and, the first time this executor
-        uses it, tell the recorder and say how long capture and compilation took."""
+        uses it, tell the recorder and say how long capture and compilation took (its phases shown
+        and logged: ``compile_progress``)."""
         if compiled.facts is not None:
             return
         spec, check = self._settings.memory()
@@ -312,7 +322,7 @@ class Executor:
         compiled.seconds = time.perf_counter() - compiled.started
         compiled.facts = self._facts(compiled, compiled.usage, spec)
         self._profiler.compiled(compiled.facts, call_args)
-        logger.info("%s the %s program in %.2f s", how, self._kind(compiled), compiled.seconds)
+        compile_progress.finish(how)
 
     def _executable(self, compiled: CompiledStep, call_args: tuple):
         """``(executable, how)``: the XLA executable of a single-IPU program, ``"loaded"`` from this
@@ -324,7 +334,7 @@ class Executor:
                 executable, layout = entry
                 compiled.layout.restore(layout)
                 return executable, "loaded"
-        executable = compile_lowered(compiled.call.lower(*call_args))
+        executable = compile_jitted(compiled.call, *call_args)
         if key is not None:
             cache.store(key, executable, compiled.layout.state())
         return executable, "compiled"
@@ -343,7 +353,13 @@ class Executor:
         if key is not None and not self._executable_cache.holds(key):
             self._executable_cache.store(key, compiled.executable, compiled.layout.state())
 
-    def _kind(self, compiled: CompiledStep) -> str:
+    def _compilation(self):
+        """A block in which this executor may compile: its phases shown (unless
+        ``Options.showCompilationProgressBar(False)``) and logged (``compile_progress``)."""
+        return compile_progress.compilation(self._kind(None), self._settings.show_compilation_progress)
+
+    def _kind(self, compiled: CompiledStep | None) -> str:
+        """What the executor's programs compute, as the log names them."""
         return "training" if self._training else "inference"
 
     def _facts(self, compiled: CompiledStep, usage: list, spec) -> ProgramFacts:

@@ -65,6 +65,7 @@ from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, totals_of
 from ipu_backend.errors import Error
 from ipu_backend.runtime.clipping import GradientClipping
 from ipu_backend.runtime.devices import REPLICA
+from ipu_backend.runtime.compile_progress import CAPTURE, phase
 from ipu_backend.runtime.lifecycle import CompiledStep, Executor, first_micro_batch, input_signature, optimizer_state
 from ipu_backend.runtime.multi_ipu_builder import check_ipu_count
 from ipu_backend.runtime.module_modes import capture_modes
@@ -224,7 +225,7 @@ class ManualStepExecutor(Executor):
                         "in the training step (several manual_backward calls before a step)")
 
     def __call__(self, *args):
-        with self._store.lock:
+        with self._store.lock, self._compilation():
             return self._call(args)
 
     def _call(self, args: tuple):
@@ -347,7 +348,7 @@ class ManualStepExecutor(Executor):
 
         object.__setattr__(model, _STEP_ATTRIBUTE, step)
         try:
-            with capture_modes(model, True, self._step_method):
+            with capture_modes(model, True, self._step_method), phase(CAPTURE):
                 return compile_module(model, micro if versions is None else (*micro, versions),
                                       method=_STEP_ATTRIBUTE, loop_repeated_layers=self._settings.loop_repeated_layers)
         finally:

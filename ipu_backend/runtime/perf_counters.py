@@ -45,7 +45,7 @@ class ExecutionCounters:
         compiled = self._timed_program()
         if compiled is None:
             raise Error("Please compile the model before obtaining compilation time.")
-        if not self._settings.compilation_time_shown:
+        if not self._settings.show_compilation_progress:
             raise Error("Please set showCompilationProgressBar option to obtain compilation time.")
         return datetime.timedelta(seconds=compiled.seconds)
 

@@ -84,7 +84,7 @@ class RunSettings:
     loop_repeated_layers: bool = True       # runs of identical layers compile once, as one loop
     updatable_named_buffers: tuple[str, ...] = ()   # what copyNamedBuffersToDevice copies
     log_cycle_count: bool = False           # cycleCount answers
-    compilation_time_shown: bool = True     # compilationTime answers (showCompilationProgressBar)
+    show_compilation_progress: bool = True  # showCompilationProgressBar: the display; compilationTime answers
     key: str = ""
     """Every setting of the options that a compiled program depends on (the ones above and those
     without effect, but not the seed, the cache or the report directory), as text: programs

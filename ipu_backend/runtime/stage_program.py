@@ -37,7 +37,7 @@ from ipu_backend.runtime.memory import tree_bytes
 from ipu_backend.runtime.schedule import Schedule
 from ipu_backend.runtime.stages import Partition, StagePlan, run_stage
 from ipu_backend.runtime.step import initial_scaler, master_copy, next_scaler, optimizer_update, replica_zero_everywhere
-from ipu_backend.runtime.xla_compile import compile_lowered
+from ipu_backend.runtime.xla_compile import compile_jitted
 
 _RECOMPUTE_STAGES = (3, 4)      # PopART RecomputationType.Pipeline and RecomputeAll
 _RECOMPUTE_STANDARD = 1         # RecomputationType.Standard: keep matrix products, recompute the rest
@@ -319,7 +319,7 @@ class StageProgram:
                                check_vma=False)
         jitted = jax.jit(mapped, donate_argnums=donate) if out_shardings is None else \
             jax.jit(mapped, donate_argnums=donate, out_shardings=out_shardings)
-        return compile_lowered(jitted.lower(*args))
+        return compile_jitted(jitted, *args)
 
     def compile(self, hyper_avals) -> dict:
         """Compile this stage's programs; returns each one's temporaries (bytes)."""
@@ -396,7 +396,7 @@ class StageProgram:
                 opt = jax.device_put(opt, jax.memory.Space.Device)
             return mapped(params, opt, *rest)
 
-        return compile_lowered(jax.jit(update, donate_argnums=(0, 1, 2), out_shardings=out_shardings).lower(*args))
+        return compile_jitted(jax.jit(update, donate_argnums=(0, 1, 2), out_shardings=out_shardings), *args)
 
     def index(self, i: int) -> jax.Array:
         """Iteration or micro-batch index ``i`` on this stage's devices, transferred once and kept:

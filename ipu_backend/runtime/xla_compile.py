@@ -4,6 +4,7 @@ import contextlib
 import contextvars
 
 from ipu_backend.compiler.backend import on_cpu
+from ipu_backend.runtime.compile_progress import LOWERING, XLA_COMPILE, phase
 
 CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 """XLA:CPU's copy insertion with region analysis: it sees that a device-iterations loop may
@@ -31,10 +32,19 @@ def substituted() -> bool:
     return _SOURCE.get() is not None
 
 
+def compile_jitted(jitted, *args):
+    """``jitted`` traced and lowered for ``args``, then :func:`compile_lowered`; each part timed as
+    its phase of the compilation (``compile_progress``)."""
+    with phase(LOWERING):
+        lowered = jitted.lower(*args)
+    return compile_lowered(lowered)
+
+
 def compile_lowered(lowered):
     """``lowered.compile()``, with :data:`CPU_OPTIONS` when it compiles for XLA:CPU (or the
     executable of :func:`executables_from`'s source)."""
     source = _SOURCE.get()
     if source is not None:
         return source(lowered)
-    return lowered.compile(CPU_OPTIONS if on_cpu() else None)
+    with phase(XLA_COMPILE):
+        return lowered.compile(CPU_OPTIONS if on_cpu() else None)

@@ -79,10 +79,10 @@ def test_a_new_process_loads_the_program_instead_of_compiling_it(new_process, mo
 
     new_process()
 
-    def no_compilation(lowered):
+    def no_compilation(jitted, *args):
         raise AssertionError("the program was compiled although the cache holds it")
 
-    monkeypatch.setattr(lifecycle, "compile_lowered", no_compilation)
+    monkeypatch.setattr(lifecycle, "compile_jitted", no_compilation)
     torch.manual_seed(1)
     net = Regression()
     reference = copy.deepcopy(net)
