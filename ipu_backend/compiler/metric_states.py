@@ -10,6 +10,7 @@ metric (see ``lightning_ipu._metrics``). The metric's attributes are left as the
 """
 
 import contextlib
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -44,11 +45,10 @@ def totals_of(logs) -> dict:
 
 
 def is_metric(value) -> bool:
-    try:
-        from torchmetrics import Metric
-    except ImportError:
-        return False
-    return isinstance(value, Metric)
+    """Whether ``value`` is a torchmetrics ``Metric``. torchmetrics is not imported to find out
+    (its import takes seconds): a process holding a metric has imported it already."""
+    defining = sys.modules.get("torchmetrics.metric")
+    return defining is not None and isinstance(value, defining.Metric)
 
 
 def metrics_of(module: torch.nn.Module) -> dict:

@@ -1,6 +1,9 @@
 """Capture: program structure, step methods with self.log, source lines and error messages."""
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import lightning.pytorch as pl
@@ -228,3 +231,22 @@ def test_torch_cond_lowers_to_lax_cond_with_gradients(sign):
     assert_close(param_grads["weight"], module.weight.grad, 1e-5, 1e-6)
     assert_close(x_grad, x_torch.grad, 1e-5, 1e-6)
     assert "cond" in str(jax.make_jaxpr(loss)(params, to_jax(x)))
+
+
+CAPTURE_IN_NEW_PROCESS = """
+import sys
+import torch
+from ipu_backend.compiler import compile_module
+compile_module(torch.nn.Linear(3, 2), (torch.randn(4, 3),))
+print("torchmetrics" in sys.modules)
+"""
+
+
+def test_capture_does_not_import_torchmetrics():
+    """Whether a module holds torchmetrics objects is told without importing torchmetrics (its
+    import takes seconds of a first compilation that needs none of it)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, "-c", CAPTURE_IN_NEW_PROCESS], cwd=root, env=environment,
+                            check=True, capture_output=True, text=True)
+    assert result.stdout.split()[-1] == "False"
