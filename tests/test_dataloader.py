@@ -17,7 +17,7 @@ from torch.utils.data import (
     TensorDataset,
 )
 
-from ipu_backend import Error, inferenceModel
+from ipu_backend import Error, ICustomArgParser, inferenceModel, registerCustomArgParser
 from ipu_backend.data import DataLoader
 from ipu_backend.data import gather as data
 from ipu_backend.enums import DataLoaderMode
@@ -127,6 +127,75 @@ def test_batch_sampler_micro_batches_are_combined_across_replicas():
     for conflicting in ({"batch_size": 2}, {"shuffle": True}):
         with pytest.raises(InvalidArgument, match="mutually exclusive with batch_size, shuffle"):
             DataLoader(Options(), _samples(8), batch_sampler=micro_batches, **conflicting)
+
+
+class _Pair:
+    """A batch type of the user's own, made a model input by registerCustomArgParser."""
+
+    def __init__(self, data, label):
+        self.data, self.label = data, label
+
+
+class _PairParser(ICustomArgParser):
+    def yieldTensors(self, struct):  # noqa: N802
+        yield struct.data
+        yield struct.label
+
+    def reconstruct(self, original_structure, tensor_iterator):
+        return _Pair(*tensor_iterator)
+
+
+@pytest.fixture
+def pair_parser():
+    registerCustomArgParser(_Pair, _PairParser())
+    yield
+    registerCustomArgParser(_Pair, None)
+
+
+def _padding_collate(size, make):
+    """Stacks a micro-batch's samples and pads it with zeros to ``size`` samples."""
+    def collate(samples):
+        images = torch.stack([image for image, _ in samples])
+        labels = torch.stack([label for _, label in samples])
+        images = torch.cat([images, images.new_zeros((size - len(samples),) + images.shape[1:])])
+        labels = torch.cat([labels, labels.new_zeros(size - len(samples))])
+        return make(images, labels)
+    return collate
+
+
+@pytest.mark.parametrize("make", [lambda x, y: (x, y), lambda x, y: {"x": x, "y": y}, _Pair],
+                         ids=["tuple", "dict", "custom"])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_batch_sampler_with_collate_fn_collates_each_micro_batch(make, drop_last, pair_parser):
+    micro_batches = [[0], [1, 2], [3, 4, 5], [6], [7, 8], [9, 10, 11], [12], [13, 14]]
+    collate = _padding_collate(3, make)
+    dataset = _samples(15)
+    # torch collates every micro-batch of the sampler on its own; a call takes 3 of them
+    torch_batches = list(torch.utils.data.DataLoader(dataset, batch_sampler=micro_batches,
+                                                     collate_fn=collate))
+    loader = _quietly(lambda: DataLoader(Options(device_iterations=3), dataset, batch_sampler=micro_batches,
+                                         collate_fn=collate, drop_last=drop_last))
+    got = list(loader)
+    assert len(loader) == len(got) == (2 if drop_last else 3)
+    for index, batch in enumerate(got):
+        group = torch_batches[3 * index:3 * index + 3]
+        leaves = [torch.utils._pytree.tree_leaves(b) for b in group]
+        assert type(batch) is type(group[0])
+        for position, leaf in enumerate(torch.utils._pytree.tree_leaves(batch)):
+            assert torch.equal(leaf, torch.cat([b[position] for b in leaves]))
+    assert len(torch.utils._pytree.tree_leaves(got[0])[0]) == 9      # 3 padded micro-batches
+    if not drop_last:
+        assert len(torch.utils._pytree.tree_leaves(got[-1])[0]) == 6  # the 2 left over
+
+
+def test_batch_sampler_with_collate_fn_refuses_micro_batches_it_cannot_combine():
+    def scalar_collate(samples):
+        return torch.tensor(float(len(samples)))
+
+    loader = DataLoader(Options(device_iterations=2), _samples(4), batch_sampler=[[0, 1], [2, 3]],
+                        collate_fn=scalar_collate)
+    with pytest.raises(WrongArgumentType, match="0-d tensor"):
+        list(loader)
 
 
 @pytest.mark.parametrize("mode", [DataLoaderMode.Async, DataLoaderMode.AsyncRebatched])

@@ -13,8 +13,9 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import IterableDataset, Sampler
+from torch.utils.data import IterableDataset, Sampler, default_collate
 
+from ipu_backend.data.combining import combine
 from ipu_backend.data.gather import gather, row_selections, tensor_source
 from ipu_backend.data.partition import ProcessShard
 from ipu_backend.data.prefetch import FetchAhead, PrefetchIterator
@@ -36,7 +37,9 @@ class DataLoader(torch.utils.data.DataLoader):
     says so when it happens.
 
     A ``batch_sampler`` gives micro-batches: consecutive ones are concatenated into combined
-    batches (``batch_size`` and ``shuffle`` must then keep their defaults).
+    batches (``batch_size`` and ``shuffle`` must then keep their defaults). A ``collate_fn``
+    collates each micro-batch on its own (it may pad it), as in PopTorch; their tensors are then
+    concatenated (:mod:`~ipu_backend.data.combining`).
 
     ``mode``: ``DataLoaderMode.Sync`` fetches on the calling thread (a TensorDataset's next
     combined batch while the devices compute the current one, in the model call); ``Async`` and
@@ -120,10 +123,17 @@ class DataLoader(torch.utils.data.DataLoader):
             persistent_workers = num_workers > 0
         kwargs.update(num_workers=num_workers, persistent_workers=persistent_workers)
 
+        self._combine = None
         if batch_sampler is not None:
             _warn_micro_batch_remainder(batch_sampler, micro_batches, drop_last)
-            super().__init__(dataset, batch_sampler=_CombinedBatchSampler(
-                batch_sampler, micro_batches, drop_last), **kwargs)
+            if kwargs.get("collate_fn") in (None, default_collate) or micro_batches == 1:
+                # torch's collation of the concatenated indices is the concatenation of the
+                # micro-batches' collations; loading a combined batch at once is faster
+                super().__init__(dataset, batch_sampler=_CombinedBatchSampler(
+                    batch_sampler, micro_batches, drop_last), **kwargs)
+            else:
+                self._combine = (micro_batches, drop_last)
+                super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
         elif is_iterable and combined is not None and (mode is DataLoaderMode.AsyncRebatched or (
                 mode is DataLoaderMode.Async and not drop_last and combined > 1)):
             self._rebatch_size = combined
@@ -152,6 +162,8 @@ class DataLoader(torch.utils.data.DataLoader):
         return self._mode
 
     def __len__(self) -> int:
+        if self._combine is not None:
+            return _combined_count(len(self.batch_sampler), *self._combine)
         if self._rebatch_size is not None:
             whole, rest = divmod(len(self.dataset), self._rebatch_size)
             return whole + (1 if rest and not self._rebatch_drop_last else 0)
@@ -180,6 +192,8 @@ class DataLoader(torch.utils.data.DataLoader):
         (:class:`~ipu_backend.data.prefetch.FetchAhead`)."""
         if self._rebatch_size is not None:
             return rebatch(super().__iter__(), self._rebatch_size, self._rebatch_drop_last)
+        if self._combine is not None:
+            return combine(super().__iter__(), *self._combine)
         source = tensor_source(self)
         if source is None:
             return super().__iter__()
@@ -279,5 +293,10 @@ class _CombinedBatchSampler(Sampler[list[int]]):
             yield combined
 
     def __len__(self) -> int:
-        whole, rest = divmod(len(self.batch_sampler), self.count)
-        return whole + (1 if rest and not self.drop_last else 0)
+        return _combined_count(len(self.batch_sampler), self.count, self.drop_last)
+
+
+def _combined_count(micro_batches: int, count: int, drop_last: bool) -> int:
+    """How many combined batches of ``count`` micro-batches ``micro_batches`` make."""
+    whole, rest = divmod(micro_batches, count)
+    return whole + (1 if rest and not drop_last else 0)
