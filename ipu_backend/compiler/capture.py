@@ -278,6 +278,22 @@ _DEFAULT_CIA_DECOMPOSITION_CODE = _export_utils._get_decomp_for_cia(torch.ops.at
 def _split_core_aten_decompositions() -> tuple[dict, dict]:
     """torch's default core-ATen table split into CIA overrides and Python decompositions, once.
     ``detach`` is kept: decomposed, it becomes a plain ``alias`` and gradients would flow through."""
-    table = dict(torch.export.default_decompositions().items())
-    table.pop(torch.ops.aten.detach.default, None)
-    return _exported_program._split_decomp_table_to_cia_and_python_decomp(table)
+    with _cia_ops_materialized_once():
+        table = dict(torch.export.default_decompositions().items())
+        table.pop(torch.ops.aten.detach.default, None)
+        return _exported_program._split_decomp_table_to_cia_and_python_decomp(table)
+
+
+@contextlib.contextmanager
+def _cia_ops_materialized_once():
+    """Within the block, torch's walk over every op namespace for CIA ops materializes the C++
+    dispatcher's CIA ops once, not once per namespace (it repeats it for each of some fifty):
+    materializing only creates the ``torch.ops`` entries, so a second pass finds nothing new, and
+    the passes were most of the time a process's first capture spent building these tables."""
+    materialize = _export_utils._materialize_cpp_cia_ops
+    materialize()
+    _export_utils._materialize_cpp_cia_ops = lambda: None
+    try:
+        yield
+    finally:
+        _export_utils._materialize_cpp_cia_ops = materialize

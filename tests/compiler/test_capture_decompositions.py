@@ -44,3 +44,14 @@ def _graphs(exported):
     """The graph and its nested graphs, as text without source comments."""
     return [str(module.graph) for module in exported.graph_module.modules()
             if isinstance(module, torch.fx.GraphModule)]
+
+
+def test_split_tables_equal_torchs():
+    """The CIA and Python tables, built with the CIA ops materialized once, hold the ops torch's
+    own split of the same table holds."""
+    table = dict(torch.export.default_decompositions().items())
+    table.pop(torch.ops.aten.detach.default)
+    expected = torch.export.exported_program._split_decomp_table_to_cia_and_python_decomp(table)
+    actual = capture._split_core_aten_decompositions()
+    assert [set(part) for part in actual] == [set(part) for part in expected]
+    assert capture._export_utils._materialize_cpp_cia_ops.__name__ == "_materialize_cpp_cia_ops"
