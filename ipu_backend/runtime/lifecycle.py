@@ -109,7 +109,9 @@ def input_signature(args: tuple) -> tuple:
 
 
 def first_micro_batch(args: tuple, schedule: Schedule) -> tuple:
-    """The first micro-batch of a combined batch: what a program is captured on."""
+    """The first micro-batch of a combined batch: what a program is captured on. A part of a
+    combined batch is a copy, not a view of it: torch.export replays each view input's view
+    from its base, work a capture on plain tensors does not do."""
     def first(x):
         if not isinstance(x, torch.Tensor):
             return x
@@ -123,7 +125,8 @@ def first_micro_batch(args: tuple, schedule: Schedule) -> tuple:
                 f"Options.Training.gradientAccumulation({schedule.accumulation}) = "
                 f"{schedule.factor}; resize the batch (or use poptorch.DataLoader, which "
                 "builds combined batches of the right size)")
-        return x[: x.shape[0] // schedule.factor]
+        count = x.shape[0] // schedule.factor
+        return x if count == x.shape[0] else x[:count].clone()
 
     return torch_pytree.tree_map(first, args)
 

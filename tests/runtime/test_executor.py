@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import ipu_backend as poptorch
 from ipu_backend.runtime import lifecycle as executor_module
 from ipu_backend.runtime import program_cache
+from ipu_backend.runtime.schedule import Schedule
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -588,3 +589,16 @@ def test_offloaded_optimizer_state_of_one_ipu_lives_in_host_memory_with_unchange
     [[ipu0]] = checked
     assert ipu0.optimizer == 0 and ipu0.offloaded > 0
     assert_params_equal(ipu, reference)
+
+
+def test_programs_are_captured_on_plain_tensors_not_views_of_the_batch():
+    """torch.export replays a view input's view from its base: the micro-batch a program is
+    captured on is a copy of the combined batch's first part (or the batch itself when it is one
+    micro-batch), never a view."""
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    micro = executor_module.first_micro_batch((x, {"y": y, "k": 3}), Schedule(device_iterations=4, accumulation=1,
+                                                                               replicas=1))
+    assert micro[0]._base is None and micro[1]["y"]._base is None and micro[1]["k"] == 3
+    assert torch.equal(micro[0], x[:2]) and torch.equal(micro[1]["y"], y[:2])
+    whole = executor_module.first_micro_batch((x,), Schedule(device_iterations=1, accumulation=1, replicas=1))
+    assert whole[0] is x
