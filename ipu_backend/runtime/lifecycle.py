@@ -115,7 +115,14 @@ def first_micro_batch(args: tuple, schedule: Schedule) -> tuple:
     def first(x):
         if not isinstance(x, torch.Tensor):
             return x
-        if x.ndim == 0 or x.shape[0] == 0 or x.numel() == 0:
+        if x.ndim == 0 and schedule.factor == 1:
+            return x                  # a call of one micro-batch takes a scalar whole, as PopTorch
+        if x.ndim == 0:
+            raise Error(
+                f"a 0-d (scalar) input cannot be split into the call's {schedule.factor} micro-batches "
+                "(Options.deviceIterations x replicationFactor x Training.gradientAccumulation); give it "
+                "a batch dimension")
+        if x.shape[0] == 0 or x.numel() == 0:
             raise Error(f"inputs must have a non-empty batch dimension; got shape {tuple(x.shape)}")
         if x.shape[0] % schedule.factor:
             raise Error(

@@ -43,7 +43,10 @@ class Schedule:
 
 
 def split_batch(array, schedule: Schedule):
-    """One process's combined batch ``[D·A·r·m, ...]`` → ``[D, A, r, m, ...]`` (``r``: its replicas)."""
+    """One process's combined batch ``[D·A·r·m, ...]`` → ``[D, A, r, m, ...]`` (``r``: its replicas);
+    a scalar (the input of a call of one micro-batch) → ``[1, 1, 1]``."""
+    if array.ndim == 0:
+        return array.reshape(1, 1, 1)
     micro = array.shape[0] // schedule.factor
     return array.reshape(schedule.device_iterations, schedule.accumulation, schedule.local_replicas,
                          micro, *array.shape[1:])

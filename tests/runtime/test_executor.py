@@ -341,6 +341,37 @@ def test_more_than_64_ipus_in_one_process_is_poptorchs_error():
         model(torch.randn(128, 6))
 
 
+class ScaledRegression(Regression):
+    def forward(self, x, scale, y):
+        out = super().forward(x) * scale
+        return out, F.mse_loss(out, y)
+
+
+def test_scalar_input_of_a_one_micro_batch_call_equals_torch():
+    torch.manual_seed(4)
+    reference = ScaledRegression()
+    model = copy.deepcopy(reference)
+    x, y = data(4)
+    scale = torch.tensor(1.5)
+    out, _ = poptorch.inferenceModel(model)(x, scale, y)
+    torch.testing.assert_close(out, reference(x, scale, y)[0], rtol=RTOL, atol=ATOL)
+    training = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
+    losses = torch.stack([training(x, scale, y)[1] for _ in range(2)])
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    expected = []
+    for _ in range(2):
+        optimizer.zero_grad()
+        loss = reference(x, scale, y)[1]
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.detach())
+    torch.testing.assert_close(losses, torch.stack(expected), rtol=RTOL, atol=ATOL)
+    assert_params_equal(model, reference)
+    with pytest.raises(poptorch.Error, match=r"0-d \(scalar\) input cannot be split into the call's 2 "):
+        poptorch.inferenceModel(ScaledRegression(), poptorch.Options().deviceIterations(2))(
+            torch.randn(2, 6), scale, torch.randn(2, 3))
+
+
 def test_zero_sized_input_is_an_error():
     with pytest.raises(poptorch.Error, match="non-empty batch"):
         poptorch.inferenceModel(Regression())(torch.randn(0, 6))
