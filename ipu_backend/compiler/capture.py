@@ -14,7 +14,7 @@ from torch.export import exported_program as _exported_program
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ipu_backend.compiler import attention_choice, containers, float32_precision, hints, loops, metric_states
-from ipu_backend.compiler.sources import traceback_location
+from ipu_backend.compiler.sources import traceback_location, user_location
 from ipu_backend.errors import Error
 
 
@@ -191,12 +191,43 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         raise Error(f"{error}\n(while capturing the program, at {where})") from error
     finally:
         hook.remove()
+    _refuse_mutated_constants(exported, type(module).__name__)
     _detach_no_grad_regions(exported.graph_module)
     exported = decompose_to_core_aten(exported)
     loops.outline_loops(exported.graph_module)
     hints.check_multi_convs(exported.graph_module)
     exported.graph_module.meta[FLOAT32_PRECISION_KEY] = precision
     return exported
+
+
+def _writes(node: torch.fx.Node, value: torch.fx.Node) -> bool:
+    """Whether the op of ``node`` writes in place into its argument ``value``."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    given = dict(zip((a.name for a in node.target._schema.arguments), node.args)) | dict(node.kwargs)
+    return any(given.get(a.name) is value and a.alias_info is not None and a.alias_info.is_write
+               for a in node.target._schema.arguments)
+
+
+def _refuse_mutated_constants(exported: torch.export.ExportedProgram, model: str) -> None:
+    """A plain tensor attribute (neither parameter nor buffer) is a constant of the program:
+    writing into it in place would be lost, so it is refused with the fix."""
+    constants = {spec.arg.name: spec.target for spec in exported.graph_signature.input_specs
+                 if spec.kind is torch.export.graph_signature.InputKind.CONSTANT_TENSOR}
+    for node in exported.graph.nodes:
+        if node.op != "placeholder" or node.name not in constants:
+            continue
+        for user in node.users:
+            if _writes(user, node):
+                name = constants[node.name]
+                attribute = name.rpartition(".")[2]
+                where = user_location(user.meta.get("stack_trace")) or "unknown source line"
+                raise Error(
+                    f"forward changes the tensor attribute `{name}` of {model} in place, at {where}. "
+                    "A plain tensor attribute is a constant of the compiled program, so the change "
+                    "would be lost: register it as a buffer in its module's __init__ "
+                    f"(`self.register_buffer(\"{attribute}\", tensor, persistent=False)`), whose new "
+                    "value the program keeps, as torch does")
 
 
 def _detach_no_grad_regions(graph_module: torch.fx.GraphModule) -> None:

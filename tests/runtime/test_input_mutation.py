@@ -1,5 +1,6 @@
 """A model that updates its inputs in place: the caller's tensors get the new values, as in
-PopTorch (and torch eager); where that cannot be emulated, a clear error."""
+PopTorch (and torch eager); where that cannot be emulated, a clear error (a plain tensor attribute changed in place
+names the fix: a buffer)."""
 
 import copy
 
@@ -42,3 +43,30 @@ def test_several_micro_batches_per_call_refuse_input_updates():
     with pytest.raises(poptorch.Error, match=r"updates its input\(s\) \[0, 1\] in place, which a call of "
                                              "several micro-batches"):
         model(torch.randn(4, 3), torch.zeros(2, 1))
+
+
+class _Counting(torch.nn.Module):
+    def __init__(self, as_buffer):
+        super().__init__()
+        if as_buffer:
+            self.register_buffer("total", torch.zeros(1), persistent=False)
+        else:
+            self.total = torch.zeros(1)
+
+    def forward(self, x):
+        self.total += x.sum()
+        return x * self.total
+
+
+def test_a_plain_tensor_attribute_changed_in_place_is_refused_with_the_fix():
+    with pytest.raises(poptorch.Error, match=r"changes the tensor attribute `total` of _Counting in place, "
+                                             r"at .*self\.total \+= x\.sum\(\).*register_buffer\(\"total\""):
+        poptorch.inferenceModel(_Counting(as_buffer=False))(torch.ones(2))
+    # the fix it names keeps the attribute's new value from call to call, as torch does
+    model = _Counting(as_buffer=True)
+    reference = copy.deepcopy(model)
+    ipu = poptorch.inferenceModel(model)
+    x = torch.arange(2.0)
+    for _ in range(3):
+        torch.testing.assert_close(ipu(x), reference(x), rtol=0, atol=0)
+    torch.testing.assert_close(model.total, reference.total, rtol=0, atol=0)
