@@ -54,8 +54,12 @@ def _unless_frozen(setter):
     return checked_setter
 
 
-def _emulated(key: str, doc: str) -> property:
-    return property(lambda self: self._values[key], doc=doc)
+def _emulated(key: str, doc: str, setter: str | None = None) -> property:
+    """A setting read back as an attribute; with ``setter`` (the name of its PopTorch method),
+    also assigned as one (``opts.replication_factor = 4``), as PopTorch allows, through the
+    method's checks."""
+    fset = None if setter is None else (lambda self, value: getattr(self, setter)(value))
+    return property(lambda self: self._values[key], fset, doc=doc)
 
 
 class _OptionGroup:
@@ -65,12 +69,20 @@ class _OptionGroup:
     names its inert settings and PopTorch's defaults for them, which read back as attributes.
     """
 
-    __slots__ = ("_shared", "_values")
     _INERT: dict[str, Any] = {}
 
     def __init__(self, shared: _SharedState, **values: Any) -> None:
         self._shared = shared
         self._values = values
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Private attributes, and the settings that read back as attributes; no attribute is
+        created by a typo (``opts.deviceIteration = 2`` raises)."""
+        if not name.startswith("_") and not isinstance(getattr(type(self), name, None), property):
+            raise AttributeError(f"{type(self).__name__!r} object has no option {name!r}; its "
+                                 "settings are set by its methods (or by assigning an attribute "
+                                 "that reads one back)")
+        object.__setattr__(self, name, value)
 
     def _record(self, name: str, value: Any) -> None:
         if value == self._INERT[name]:
@@ -94,22 +106,25 @@ class _OptionGroup:
 class _TrainingOptions(_OptionGroup):
     """Training options: ``opts.Training``."""
 
-    __slots__ = ()
     _INERT = {"convolution_dithering": None}
 
     gradient_accumulation = _emulated(
         "gradient_accumulation",
-        "Micro-batches whose gradients are accumulated before each optimizer step.")
+        "Micro-batches whose gradients are accumulated before each optimizer step.",
+        "gradientAccumulation")
     accumulation_and_replication_reduction_type = _emulated(
         "reduction_type",
         "How gradients are combined across accumulated micro-batches and replicas: "
-        "ReductionType.Mean or ReductionType.Sum.")
+        "ReductionType.Mean or ReductionType.Sum.", "accumulationAndReplicationReductionType")
     mean_reduction_strategy = _emulated(
         "mean_reduction_strategy",
-        "When the mean reduction divides by the count (a MeanReductionStrategy).")
+        "When the mean reduction divides by the count (a MeanReductionStrategy).",
+        "setMeanAccumulationAndReplicationReductionStrategy")
     meanAccumulationAndReplicationReductionStrategy = _emulated(  # noqa: N815
-        "mean_reduction_strategy", "PopTorch's read-back name of ``mean_reduction_strategy``.")
-    auto_loss_scaling = _emulated("auto_loss_scaling", "Whether automatic loss scaling is on.")
+        "mean_reduction_strategy", "PopTorch's read-back name of ``mean_reduction_strategy``.",
+        "setMeanAccumulationAndReplicationReductionStrategy")
+    auto_loss_scaling = _emulated("auto_loss_scaling", "Whether automatic loss scaling is on.",
+                                  "setAutomaticLossScaling")
 
     @_unless_frozen
     def gradientAccumulation(self, gradient_accumulation: int) -> Self:
@@ -151,16 +166,17 @@ class _TrainingOptions(_OptionGroup):
 class _PrecisionOptions(_OptionGroup):
     """Numerical precision options: ``opts.Precision``."""
 
-    __slots__ = ()
     _INERT = {"floating_point_exceptions": False}
 
     stochastic_rounding = _emulated(
-        "stochastic_rounding", "Whether rounding to float16 is stochastic.")
+        "stochastic_rounding", "Whether rounding to float16 is stochastic.", "enableStochasticRounding")
     master_weights = _emulated(
-        "master_weights", "Whether half-precision weights keep a float32 master copy for updates.")
+        "master_weights", "Whether half-precision weights keep a float32 master copy for updates.",
+        "enableMasterWeights")
     partials_type = _emulated(
         "partials_type",
-        "dtype of matmul and convolution partial results: torch.float (default) or torch.half.")
+        "dtype of matmul and convolution partial results: torch.float (default) or torch.half.",
+        "setPartialsType")
 
     @_unless_frozen
     def halfFloatCasting(self, half_float_casting: enums.HalfFloatCastingBehavior) -> Self:
@@ -273,7 +289,6 @@ _LOCATION_KINDS = {  # PopTorch's tensor class -> the emulated on-chip flag for 
 class _TensorLocationOptions(_OptionGroup):
     """Where tensors are stored: ``opts.TensorLocations``."""
 
-    __slots__ = ()
     _INERT = {"num_io_tiles": None} | {f"{kind}_location": {} for kind in _LOCATION_KINDS}
 
     activations_on_chip = _emulated("activations_on_chip", "Whether activations stay on chip.")
@@ -341,8 +356,6 @@ class _DistributedOptions(_OptionGroup):
     combined batch.
     """
 
-    __slots__ = ()
-
     @property
     def processId(self) -> int:
         """Index of this process among the run's processes."""
@@ -384,8 +397,6 @@ class _DistributedOptions(_OptionGroup):
 class _JitOptions(_OptionGroup):
     """PopTorch's JIT options: ``opts.Jit`` (models are always captured with torch.export)."""
 
-    __slots__ = ()
-
     @_unless_frozen
     def traceModel(self, trace_model: bool) -> Self:
         """Inert with False; True is refused, as in PopTorch."""
@@ -397,7 +408,6 @@ class _JitOptions(_OptionGroup):
 class _PopartOptions(_OptionGroup):
     """PopART session options: ``opts._Popart``. Inert: recorded, never applied."""
 
-    __slots__ = ()
     _INERT = {"popart_options": {}}
 
     @property

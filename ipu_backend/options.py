@@ -106,8 +106,6 @@ class Options(_OptionGroup):
     any case (``output_mode="everyN"``); ``partials_type`` is ``"float"`` or ``"half"``.
     """
 
-    __slots__ = ("_training", "_precision", "_tensor_locations", "_distributed", "_jit",
-                 "_popart")
     _INERT = {
         "log_dir": ".",
         "max_repeat_logs": 4,
@@ -233,30 +231,32 @@ class Options(_OptionGroup):
     # Emulated settings, read back as in PopTorch.
 
     device_iterations = _emulated(
-        "device_iterations", "Batches each replica processes per call of the model.")
-    replication_factor = _emulated("replication_factor", "Number of model replicas.")
-    output_mode = _emulated("output_mode", "Which results a run returns (an OutputMode).")
+        "device_iterations", "Batches each replica processes per call of the model.", "deviceIterations")
+    replication_factor = _emulated("replication_factor", "Number of model replicas.", "replicationFactor")
+    output_mode = _emulated("output_mode", "Which results a run returns (an OutputMode).", "outputMode")
     output_return_period = _emulated(
         "output_return_period", "N of OutputMode.EveryN; None for the other modes.")
-    random_seed = _emulated("random_seed", "Seed of the device's random numbers, or None.")
+    random_seed = _emulated("random_seed", "Seed of the device's random numbers, or None.", "randomSeed")
     execution_strategy = _emulated(
         "execution_strategy",
-        "How the model is split over IPUs, or None for the default (pipelined by block).")
+        "How the model is split over IPUs, or None for the default (pipelined by block).",
+        "setExecutionStrategy")
     executable_cache_dir = _emulated(
         "executable_cache_dir",
         "Directory caching compiled programs, ``\"auto\"`` (``$IPU_BACKEND_CACHE_DIR``, else the user's "
-        "cache directory) or None (no caching).")
+        "cache directory) or None (no caching).", "enableExecutableCaching")
     auto_round_num_ipus = _emulated(
-        "auto_round_num_ipus", "Whether the number of IPUs is rounded up to a power of 2.")
+        "auto_round_num_ipus", "Whether the number of IPUs is rounded up to a power of 2.", "autoRoundNumIPUs")
     broadcast_buffers = _emulated(
-        "broadcast_buffers", "Whether buffers are broadcast from replica 0 to all replicas.")
+        "broadcast_buffers", "Whether buffers are broadcast from replica 0 to all replicas.", "broadcastBuffers")
     profiling_dir = _emulated(
         "profiling_dir", "Directory receiving profiling reports, or None when profiling is off.")
-    ipu_spec = _emulated("ipu_spec", "The IpuSpec of each emulated IPU (Mk2 by default).")
+    ipu_spec = _emulated("ipu_spec", "The IpuSpec of each emulated IPU (Mk2 by default).", "setIpuSpec")
     memory_check = _emulated(
-        "memory_check", "What a model too large for its IPUs gets: 'error', 'warn' or 'off'.")
+        "memory_check", "What a model too large for its IPUs gets: 'error', 'warn' or 'off'.", "setMemoryCheck")
     loop_repeated_layers = _emulated(
-        "loop_repeated_layers", "Whether runs of identical layers compile once, as one loop.")
+        "loop_repeated_layers", "Whether runs of identical layers compile once, as one loop.",
+        "loopRepeatedLayers")
 
     # PopTorch's setters for emulated settings.
 
@@ -718,8 +718,6 @@ _ALL_INERT = {name: default
               for name, default in group._INERT.items()}
 class _DefaultOptions(Options):
     """Options as the constructor makes them, whatever ``POPTORCH_DEFAULT_OPTIONS`` says."""
-
-    __slots__ = ()
 
     def _apply_environment(self) -> None:
         pass

@@ -27,6 +27,7 @@ from ipu_backend.options import (
     TensorLocationSettings,
     WrongArgumentType,
 )
+from ipu_backend.option_groups import _DistributedOptions
 
 
 def test_defaults_read_back_as_poptorch():
@@ -466,3 +467,30 @@ def test_enums_have_poptorchs_members_and_values():
     assert [(m.name, m.value) for m in DataLoaderMode] == [
         ("Sync", 0), ("Async", 1), ("AsyncRebatched", 2)]
     assert [m.name for m in MeanReductionStrategy] == ["Running", "Post", "PostAndLoss"]
+
+
+def test_settings_that_read_back_are_assigned_through_their_setters():
+    opts = Options()
+    opts.replication_factor = 4
+    opts.device_iterations = 3
+    opts.Training.gradient_accumulation = 2
+    opts.Precision.stochastic_rounding = True
+    assert opts == Options(replication_factor=4, device_iterations=3, gradient_accumulation=2,
+                           stochastic_rounding=True)
+    with pytest.raises(InvalidArgument, match="replication_factor"):
+        opts.replication_factor = 0          # the setter's checks apply
+    with pytest.raises(AttributeError, match="no option 'replicationfactor'"):
+        opts.replicationfactor = 2
+    opts._freeze()
+    with pytest.raises(FrozenOptionsError):
+        opts.device_iterations = 5
+
+
+def test_an_option_group_can_be_given_a_subclass_as_popdist_does():
+    class Wrapped(_DistributedOptions):
+        pass
+
+    opts = Options()
+    opts.Distributed.__class__ = Wrapped
+    assert isinstance(opts.Distributed, Wrapped) and opts.Distributed.numProcesses == 1
+    assert opts.clone().Distributed.numProcesses == 1

@@ -20,7 +20,6 @@ def _refused(name: str):
 class _LaunchedDistributedOptions(_DistributedOptions):
     """``opts.Distributed`` of launcher-configured options: set by the launcher, not by hand."""
 
-    __slots__ = ()
     disable = _refused("Distributed.disable")
     setEnvVarNames = _refused("Distributed.setEnvVarNames")
     configureProcessId = _refused("Distributed.configureProcessId")
