@@ -279,6 +279,19 @@ def test_async_thread_stops_when_iteration_ends_or_is_abandoned():
     assert list(iterator) == []
 
 
+def test_async_epoch_after_an_abandoned_one_restarts_persistent_workers_cleanly():
+    dataset = _PerSample(_samples(10))
+    loader = DataLoader(Options(), dataset, batch_size=1, num_workers=1, persistent_workers=True,
+                        mode=DataLoaderMode.Async)
+    expected = [batch[1].tolist() for batch in torch.utils.data.DataLoader(dataset, batch_size=1)]
+    for _ in range(3):
+        for index, batch in enumerate(loader):       # left by break: its thread may still fetch
+            assert batch[1].tolist() == expected[index]
+            if index == 4:
+                break
+        assert [batch[1].tolist() for batch in loader] == expected
+
+
 class _Failing(Dataset):
     def __len__(self):
         return 8

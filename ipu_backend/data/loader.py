@@ -7,6 +7,7 @@ background thread while the device computes (:mod:`~ipu_backend.data.prefetch`);
 ``TensorDataset``'s are gathered by indexing its tensors (:mod:`~ipu_backend.data.gather`).
 """
 
+import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -108,6 +109,8 @@ class DataLoader(torch.utils.data.DataLoader):
         self._mode = mode
         self._buffer_size = buffer_size
         self._prefetchers: weakref.WeakSet[PrefetchIterator] = weakref.WeakSet()
+        self._fetch_threads: list[threading.Thread] = []
+        """The prefetchers' threads, which outlive an abandoned prefetcher by one fetch at most."""
         self._rebatch_size = None
         self._rebatch_drop_last = drop_last
 
@@ -179,12 +182,19 @@ class DataLoader(torch.utils.data.DataLoader):
         batches = self._sync_batches()
         prefetcher = PrefetchIterator(batches, self._buffer_size)
         self._prefetchers.add(prefetcher)
+        self._fetch_threads = [t for t in self._fetch_threads if t.is_alive()] + [prefetcher.thread]
         return prefetcher
 
     def terminate(self) -> None:
-        """Stop the background fetching of this loader's iterators (``Async`` modes)."""
+        """Stop the background fetching of this loader's iterators (``Async`` modes) and wait
+        for it to end, including that of iterators already abandoned (a loop left by ``break``),
+        so that nothing else reads torch's (persistent) iterator when it restarts."""
         for prefetcher in list(self._prefetchers):
             prefetcher.close()
+        for thread in self._fetch_threads:
+            if thread is not threading.current_thread():
+                thread.join()
+        self._fetch_threads = []
 
     def _sync_batches(self, ahead: bool = False) -> Iterator[Any]:
         """The combined batches, fetched by the thread that iterates them; with ``ahead``, a

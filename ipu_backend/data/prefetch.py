@@ -128,6 +128,11 @@ class PrefetchIterator:
             raise payload
         raise StopIteration
 
+    @property
+    def thread(self) -> threading.Thread:
+        """The thread fetching the batches."""
+        return self._thread
+
     def close(self) -> None:
         """Stop fetching and wait for the thread to end."""
         self._finished = True
