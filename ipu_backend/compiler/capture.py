@@ -13,7 +13,15 @@ from torch._export import utils as _export_utils
 from torch.export import exported_program as _exported_program
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from ipu_backend.compiler import attention_choice, containers, float32_precision, hints, loops, metric_states
+from ipu_backend.compiler import (
+    attention_choice,
+    containers,
+    float32_precision,
+    fused_losses,
+    hints,
+    loops,
+    metric_states,
+)
 from ipu_backend.compiler.sources import traceback_location, user_location
 from ipu_backend.errors import Error
 
@@ -164,6 +172,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
     with errors a user can act on, and torch's float32 precision settings recorded on the graph
     module."""
     precision = float32_precision.torch_setting()
+    fused_losses.install(_CAPTURING.get)       # not torch.compile's tracing of a user's own code
     containers.register((args, kwargs))
     # The module's results may hold container subclasses too: registered as it returns them.
     hook = module.register_forward_hook(lambda _, __, result: containers.register(result))

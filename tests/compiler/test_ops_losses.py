@@ -1,8 +1,8 @@
 """Loss functions through the compiler against torch, forward and gradient.
 
-Every loss here decomposes to core-ATen ops (log_softmax, gather, where, sum, mean, ...), so
-``losses.py`` lowers nothing: these cases check the composition, and each claims the ops of
-``reductions.py`` it exercises. Class weights and ``pos_weight`` are constants of the function
+Every loss here but the CTC loss decomposes to core-ATen ops (log_softmax, gather, where, sum,
+mean, ...): these cases check the composition, and each claims the ops of ``reductions.py`` it
+exercises. The CTC loss is captured whole and lowered by ``losses.py``; its gradient is torch's. Class weights and ``pos_weight`` are constants of the function
 (not inputs) because torch's fused loss kernels are not differentiable with respect to them.
 """
 
@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ipu_backend.compiler import fused_losses
+from ipu_backend.compiler.fused_losses import CTC_LOSS
 from tests.compiler.harness import OpCase, case_params, check_case
 
 aten = torch.ops.aten
@@ -143,9 +145,64 @@ KL_CASES = [
            (torch.float32, torch.bfloat16), ops=(aten.sum.dim_IntList,)),
 ]
 
-CASES = CROSS_ENTROPY_CASES + NLL_CASES + REGRESSION_CASES + BINARY_CASES + KL_CASES
+def ctc_inputs(steps=8, batch=3, classes=5, longest=4, blank=0, padded=True, impossible=False):
+    """Unnormalised scores ``[T, N, C]`` (torch's CTC gradient is not the true one for them, which
+    the lowering must follow), targets without ``blank``, varying input and target lengths; with
+    ``impossible``, the last sample's target is longer than its input."""
+    def make(dtype):
+        scores = torch.randn(steps, batch, classes).to(dtype)
+        targets = torch.randint(0, classes - 1, (batch, longest))
+        targets[targets >= blank] += 1
+        input_lengths = torch.randint(steps - 2, steps + 1, (batch,))
+        target_lengths = torch.randint(1, longest + 1, (batch,))
+        if impossible:
+            input_lengths[-1], target_lengths[-1] = 2, longest
+        if not padded:
+            targets = torch.cat([row[:length] for row, length in zip(targets, target_lengths)])
+        return scores, targets, input_lengths, target_lengths
+    return make
+
+
+def ctc(blank=0, zero_infinity=False):
+    def loss(scores, targets, input_lengths, target_lengths):
+        return tuple(F.ctc_loss(scores, targets, input_lengths, target_lengths, blank=blank, reduction=r,
+                                zero_infinity=zero_infinity) for r in REDUCTIONS)
+    return loss
+
+
+CTC_CASES = [
+    OpCase("ctc_loss_padded_targets", ctc(), ctc_inputs(), ops=(CTC_LOSS,)),
+    OpCase("ctc_loss_concatenated_targets_blank_3", ctc(blank=3), ctc_inputs(blank=3, padded=False),
+           ops=(CTC_LOSS,)),
+    OpCase("ctc_loss_lengths_as_lists",
+           lambda x, y: F.ctc_loss(x, y, [8, 7, 6], [2, 4, 1], blank=2, reduction="mean"),
+           lambda dtype: (torch.randn(8, 3, 5).to(dtype), torch.tensor([1, 3, 4, 1, 0, 1, 4])),
+           ops=(CTC_LOSS,)),
+    OpCase("ctc_loss_zero_infinity", ctc(zero_infinity=True), ctc_inputs(impossible=True),
+           ops=(CTC_LOSS,)),
+    OpCase("ctc_loss_unbatched",
+           lambda x, y: F.ctc_loss(x.log_softmax(-1), y, [6], [3], reduction="none"),
+           lambda dtype: (torch.randn(6, 4).to(dtype), torch.tensor([1, 1, 2])), ops=(CTC_LOSS,)),
+]
+
+CASES = CROSS_ENTROPY_CASES + NLL_CASES + REGRESSION_CASES + BINARY_CASES + KL_CASES + CTC_CASES
 
 
 @pytest.mark.parametrize("case,dtype", case_params(CASES))
 def test_losses(case, dtype):
     check_case(case, dtype)
+
+
+def test_ctc_loss_outside_a_capture_is_torchs_own():
+    """The stand-in a capture puts in place of torch.ctc_loss is torch's function elsewhere:
+    eager training (backward included) is unchanged."""
+    check_case(CTC_CASES[0], torch.float32)                # a capture installs it
+    scores, targets, input_lengths, target_lengths = ctc_inputs()(torch.float32)
+    results = []
+    for ctc_loss in (torch.ctc_loss, fused_losses._TORCH_CTC_LOSS):
+        x = scores.clone().requires_grad_(True)
+        loss = ctc_loss(x, targets, input_lengths, target_lengths, 0, 1, False)
+        loss.backward()
+        results.append((loss.detach(), x.grad))
+    assert torch.ctc_loss is not fused_losses._TORCH_CTC_LOSS
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
