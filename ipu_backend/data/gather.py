@@ -20,7 +20,7 @@ def tensor_source(loader) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None
         return None
     dataset, positions = loader.dataset, None
     while type(dataset) is Subset:
-        indices = torch.as_tensor(dataset.indices, dtype=torch.long)
+        indices = torch.from_numpy(np.asarray(dataset.indices, dtype=np.int64))
         positions = indices if positions is None else indices[positions]
         dataset = dataset.dataset
     if type(dataset) is not TensorDataset:

@@ -9,6 +9,9 @@ the blocks are taken, and every other epoch shifts the blocks by the samples the
 that all of them are read.
 """
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
@@ -34,7 +37,8 @@ class ProcessShard:
         self.size, self.offset, self.length = size, offset, length
         self.generator = torch.Generator().manual_seed(seed) if shuffle else None
         self.shifted = False
-        self.subset = Subset(dataset, range(offset, offset + length))
+        self.order = None if self.generator is None else _SharedOrder(length)
+        self.subset = Subset(dataset, range(offset, offset + length) if self.order is None else self.order)
 
     def next_epoch(self) -> None:
         """Before each epoch: with shuffling, a new permutation of the whole dataset, and the block
@@ -44,4 +48,24 @@ class ProcessShard:
         order = torch.randperm(self.size, generator=self.generator)
         self.shifted = not self.shifted
         start = self.offset + (self.leftovers if self.shifted else 0)
-        self.subset.indices = order[start:start + self.length].tolist()
+        self.order.tensor.copy_(order[start:start + self.length])
+
+
+class _SharedOrder(Sequence):
+    """A shuffled shard's sample indices, in shared memory and rewritten in place each epoch, so
+    that persistent DataLoader workers, which hold a copy of the dataset made when they started,
+    read each epoch's order (as PopTorch's shared index tensor)."""
+
+    def __init__(self, length: int) -> None:
+        self.tensor = torch.zeros(length, dtype=torch.long).share_memory_()
+
+    def __len__(self) -> int:
+        return len(self.tensor)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.tensor[index].tolist()
+        return int(self.tensor[index])
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return self.tensor.numpy().astype(dtype or np.int64, copy=bool(copy))

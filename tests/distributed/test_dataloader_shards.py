@@ -43,6 +43,18 @@ def test_shuffling_permutes_the_whole_dataset_alike_in_every_process_and_uses_th
         assert [epoch(loader) for loader in loaders] == [order[start:start + 20], order[start + 20:start + 40]]
 
 
+def test_shuffled_shards_reach_persistent_workers_each_epoch():
+    """Workers hold a copy of the dataset made when they start; each epoch's order still reaches
+    them (in shared memory), so they read what a loader without workers reads."""
+    data = dataset(42)
+    in_process = poptorch.DataLoader(options(1, seed=7), data, batch_size=2, shuffle=True)
+    workers = poptorch.DataLoader(options(1, seed=7), data, batch_size=2, shuffle=True, num_workers=1,
+                                  persistent_workers=True)
+    epochs = [epoch(in_process) for _ in range(3)]
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert [epoch(workers) for _ in range(3)] == epochs
+
+
 def test_without_drop_last_the_samples_are_spread_evenly():
     data = dataset(11)
 
