@@ -92,8 +92,19 @@ __all__ = ["ConfigFileError", "FailedCheck", "FrozenOptionsError", "InvalidArgum
            "TensorLocationSettings", "WrongArgumentType", "in_force", "parse_member"]
 
 
-_OUTSIDE_THE_PROGRAM = frozenset({"random_seed", "profiling_dir", "executable_cache_dir"})
-"""Settings that do not change a compiled program (the seed is one of its inputs)."""
+_OUTSIDE_THE_PROGRAM = frozenset({"random_seed", "profiling_dir", "executable_cache_dir",
+                                  "show_compilation_progress_bar", "log_cycle_count",
+                                  "updatable_named_buffers"})
+"""Settings that do not change a compiled program: the seed is one of its inputs; the others say
+where files go and what the host shows or measures around it."""
+
+
+def _program_settings(settings: dict) -> list:
+    """``toDict()``'s settings that a compiled program depends on, sorted (the recorded inert
+    ones included, but for those outside the program)."""
+    recorded = {k: v for k, v in settings.get("recorded", {}).items() if k not in _OUTSIDE_THE_PROGRAM}
+    kept = {k: v for k, v in settings.items() if k not in _OUTSIDE_THE_PROGRAM and k != "recorded"}
+    return sorted({**kept, "recorded": sorted(recorded.items())}.items())
 
 
 _DEFAULT_SOURCE_LOCATION_EXCLUDES = ["install/poptorch", "site-packages/torch",
@@ -623,8 +634,7 @@ class Options(_OptionGroup):
             loop_repeated_layers=self.loop_repeated_layers,
             updatable_named_buffers=tuple(self.updatable_named_buffers), log_cycle_count=self.log_cycle_count,
             show_compilation_progress=self.show_compilation_progress_bar,
-            key=repr((sorted((k, v) for k, v in self.toDict().items() if k not in _OUTSIDE_THE_PROGRAM),
-                      self.Distributed.numProcesses)))
+            key=repr((_program_settings(self.toDict()), self.Distributed.numProcesses)))
 
     def _groups(self) -> tuple[_OptionGroup, ...]:
         return (self, self._training, self._precision, self._tensor_locations)

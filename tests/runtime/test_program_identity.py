@@ -119,6 +119,25 @@ def test_equal_training_models_share_one_program_with_their_own_optimizers(fresh
     assert [line.split()[0] for line in compiled_lines(caplog)] == ["compiled", "reused"]
 
 
+@pytest.mark.parametrize("setting", [
+    lambda opts: opts.randomSeed(7),
+    lambda opts: opts.showCompilationProgressBar(False),
+    lambda opts: opts.logCycleCount(True),
+], ids=["seed", "progress bar", "cycle count"])
+def test_options_outside_the_program_share_it(fresh_programs, caplog, setting):
+    x, _ = data()
+    with caplog.at_level("INFO", logger="ipu_backend"):
+        for changed in (False, True):
+            torch.manual_seed(0)
+            net = Activated()
+            opts = poptorch.Options()
+            if changed:
+                setting(opts)
+            torch.testing.assert_close(poptorch.inferenceModel(net, opts)(x), net(x), rtol=RTOL, atol=ATOL)
+    assert [line.split()[0] for line in compiled_lines(caplog)] == ["compiled", "reused"]
+    assert len(fresh_programs) == 1
+
+
 @pytest.mark.parametrize("change", ["activation", "options", "optimizer", "frozen"])
 def test_programs_that_compute_differently_are_not_shared(fresh_programs, change):
     x, y = data()
