@@ -5,7 +5,7 @@ the loss each step): one epoch of 64,000 samples (2,000 optimizer steps) trained
 LightningModule with ``pl.Trainer(accelerator="ipu", strategy=IPUStrategy(device_iterations=100))``,
 compilation included, against the same MLP hand-written in JAX as one jitted ``lax.scan`` of 100
 SGD steps per call (``device_iterations.py``), its compilation included. Each runs in a process of
-its own, *cold* (an empty executable cache: ``IPU_BACKEND_EXECUTABLE_CACHE`` for the Trainer,
+its own, *cold* (an empty executable cache: ``IPU_BACKEND_CACHE_DIR`` for the Trainer,
 JAX's persistent compilation cache for the hand-written loop) and then *warm* (a second process on
 the same cache directory), so that nothing compiled in one run helps the next but the cache.
 Timed from the Trainer's (or the loop's) construction to its trained weights, imports excluded
@@ -25,7 +25,8 @@ import tempfile
 import time
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "short_fit.json"
-CACHE_VARIABLE = "IPU_BACKEND_EXECUTABLE_CACHE"
+CACHE_VARIABLE = "IPU_BACKEND_CACHE_DIR"
+"""Where the Trainer's executors cache their programs (``ipu_backend.runtime.executable_cache``)."""
 
 
 def _cpu_seconds() -> float:
