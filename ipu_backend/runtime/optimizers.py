@@ -58,6 +58,12 @@ def _scalar(value) -> np.ndarray:
     return np.asarray(float(value), np.float32)
 
 
+def _filled(shape: tuple, value: float, dtype) -> np.ndarray:
+    """``np.full``; zeros as ``np.zeros``, whose pages the system gives zeroed instead of being
+    written one element at a time (an optimizer's moments of large stacked weights)."""
+    return np.zeros(shape, dtype) if value == 0 else np.full(shape, value, dtype)
+
+
 def optimizer_wide(optimizer: torch.optim.Optimizer, name: str):
     """An option PopTorch keeps optimizer-wide, read from the param groups (where our optimizers
     store it; torch's own have none and get PopTorch's default)."""
@@ -142,7 +148,7 @@ class OptimizerRule:
         state = {}
         for options, names in zip(self._group_options, self.groups):
             for name in names:
-                moments = {slot: np.full(jnp.shape(params[name]), initial, dtype)
+                moments = {slot: _filled(jnp.shape(params[name]), initial, dtype)
                            for slot, (dtype, initial) in self._slots(options).items()}
                 # A parameter that keeps no moments keeps no step count either (plain SGD, whose
                 # torch state stays empty): a call then carries nothing in or out for it.
