@@ -60,16 +60,26 @@ def snapshot(value):
     if type(value) in _PLAIN:
         return value
     if isinstance(value, (tuple, list)) and value:
-        items = tuple(snapshot(v) for v in value)
-        plain = all(i is not None or v is None for i, v in zip(items, value))
-        return (type(value).__name__, items) if plain else None
+        items = _plain_snapshots(value)
+        return None if items is None else (type(value).__name__, items)
     if isinstance(value, Mapping) and value:
         if not all(type(k) in _PLAIN for k in value):
             return None
-        items = tuple((k, snapshot(v)) for k, v in value.items())
-        plain = all(i is not None or value[k] is None for k, i in items)
-        return ("mapping", items) if plain else None
+        items = _plain_snapshots(value.values())
+        return None if items is None else ("mapping", tuple(zip(value, items)))
     return None
+
+
+def _plain_snapshots(values) -> tuple | None:
+    """The snapshots of ``values``, or None at the first that is not plain (a module's
+    ``_parameters`` or ``_modules``, read again and again while a capture runs, stop at once)."""
+    items = []
+    for value in values:
+        item = snapshot(value)
+        if item is None and value is not None:
+            return None
+        items.append(item)
+    return tuple(items)
 
 
 def _same(a, b) -> bool:
