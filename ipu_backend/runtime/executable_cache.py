@@ -11,7 +11,8 @@ options that change the program, the optimizer's structure, the inputs, the lowe
 see :mod:`~ipu_backend.runtime.program_cache`) and of what compiled it: this package's source,
 the torch, JAX, jaxlib and Python versions, the backend, its device kind and count, and the XLA
 flags. A program whose key has no stable description is not cached. An entry holds the XLA
-executable, its argument and result structures and the program's output layout; it is read
+executable, its argument and result structures and the program's output layout (a stage program
+of a model split over IPUs: its devices; its key adds the digest of its lowered text); it is read
 only by this package, from the user's own directory (it is a pickle, as JAX's cache entries are).
 
 The directory is bounded (``$IPU_BACKEND_CACHE_SIZE_MB``, 1024 MiB unless set): after each
@@ -34,7 +35,7 @@ import torch
 
 from ipu_backend.compiler.identity import Unidentifiable, describe
 from ipu_backend.errors import Error
-from ipu_backend.runtime import serialization
+from ipu_backend.runtime import serialization, xla_compile
 from ipu_backend.runtime.settings import AUTO_CACHE_DIR
 
 logger = logging.getLogger("ipu_backend")
@@ -116,8 +117,9 @@ class ExecutableCache:
     def holds(self, key: str) -> bool:
         return os.path.exists(self._path(key))
 
-    def load(self, key: str, devices: list):
-        """``(executable, layout state)`` stored under ``key``, loaded onto ``devices``, or None."""
+    def load(self, key: str, devices):
+        """``(executable, layout state)`` stored under ``key``, loaded onto ``devices`` (a list, or
+        a function of the layout state giving it), or None."""
         path = self._path(key)
         try:
             with open(path, "rb") as file:
@@ -130,6 +132,8 @@ class ExecutableCache:
             return None
         if not isinstance(entry, dict) or entry.get("format") != FORMAT:
             return None
+        if callable(devices):
+            devices = devices(entry["layout"])
         try:
             executable = serialization.deserialized(entry["executable"], entry["in_tree"], entry["out_tree"], devices)
         except (jax.errors.JaxRuntimeError, ValueError) as error:
@@ -193,6 +197,33 @@ class ExecutableCache:
             except FileNotFoundError:
                 pass
             total -= size
+
+
+class StagePrograms:
+    """An executable source (``xla_compile.executables_from``) for the programs of a model split
+    over IPUs: each is looked up in ``cache`` under the model's program key and the digest of its
+    own lowered text (so an entry stands in only for the very program it was compiled from), on
+    the devices it was compiled for; one not found is compiled and stored."""
+
+    def __init__(self, cache: ExecutableCache, program_key: str):
+        self._cache, self._program_key = cache, program_key
+        self.loaded = self.compiled = 0
+
+    def __call__(self, lowered):
+        key = hashlib.sha256(f"{self._program_key} {serialization.fingerprint(lowered)}".encode()).hexdigest()
+        entry = self._cache.load(key, _devices_by_id)
+        if entry is not None:
+            self.loaded += 1
+            return entry[0]
+        executable = xla_compile.compile_now(lowered)
+        self._cache.store(key, executable, serialization.device_ids(executable))
+        self.compiled += 1
+        return executable
+
+
+def _devices_by_id(ids: list[int]) -> list:
+    by_id = {device.id: device for device in jax.devices()}
+    return [by_id[i] for i in ids]
 
 
 def for_setting(setting: str | None) -> ExecutableCache | None:

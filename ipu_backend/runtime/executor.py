@@ -479,7 +479,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         if shared is not None:
             rules = () if rule is None else (rule,) if shared.multi_ipu else (self._packed_rule(program, without_gradient)[1],)
             return shared.reused(program, rules, started)
-        compiled = self._compiled_step(program, micro, schedule, rule, loss_index, without_gradient)
+        compiled = self._compiled_step(program, micro, schedule, rule, loss_index, without_gradient, shared_key)
         compiled.started, compiled.shared_key = started, shared_key
         return compiled
 
@@ -496,8 +496,9 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             compile_hooks.run(compile_hooks.POST_COMPILE)
 
     def _compiled_step(self, program, micro: tuple, schedule: Schedule, rule, loss_index,
-                       without_gradient: frozenset) -> CompiledStep:
-        """The device program of ``program`` (not yet compiled, unless split over IPUs)."""
+                       without_gradient: frozenset, shared_key: tuple | None = None) -> CompiledStep:
+        """The device program of ``program`` (not yet compiled, unless split over IPUs: then
+        compiled, its stage programs through the executable cache under ``shared_key``)."""
         layout = OutputLayout()
         mesh = self._mesh()
         forward = _forward_with_constants(program, micro)
@@ -516,9 +517,12 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             raise Error("a model split over IPUs (BeginBlock, Block, Stage) runs in one process: several "
                         "processes (Options.Distributed) replicate single-IPU models only")
         if has_blocks(program.graph_module):        # split over IPUs
-            multi = self._split_program(micro, schedule, program, rule, loss_index)
+            with self._stage_programs_cached(shared_key) as stage_programs:
+                multi = self._split_program(micro, schedule, program, rule, loss_index)
             if multi is not None:
-                return CompiledStep(multi, program, multi.layout, dtypes, log_dtypes, (multi.rule,), multi_ipu=True)
+                compiled = CompiledStep(multi, program, multi.layout, dtypes, log_dtypes, (multi.rule,), multi_ipu=True)
+                compiled.loaded = stage_programs is not None and stage_programs.compiled == 0 and stage_programs.loaded > 0
+                return compiled
         check_ipu_count(schedule.replicas, self._settings.auto_round_num_ipus)
         if not self._training:
             return CompiledStep(inference_call(forward, schedule, mesh, layout, totals), program, layout, dtypes,

@@ -11,6 +11,7 @@ returns kept on the device, the queued host work run while it computes, and the 
 to the host in PopTorch's shapes.
 """
 
+import contextlib
 import copy
 import logging
 import time
@@ -41,7 +42,7 @@ from ipu_backend.runtime.schedule import Schedule
 from ipu_backend.runtime.settings import RunSettings
 from ipu_backend.runtime.step import OutputLayout
 from ipu_backend.runtime.weights import release, weight_store
-from ipu_backend.runtime.xla_compile import compile_jitted, substituted
+from ipu_backend.runtime.xla_compile import compile_jitted, executables_from, substituted
 
 logger = logging.getLogger("ipu_backend")
 
@@ -82,6 +83,8 @@ class CompiledStep:
         self.started = time.perf_counter()
         self.seconds = None               # from capture to executable (compilationTime)
         self.inputs = None                # the shapes and dtypes it was compiled for (save)
+        self.loaded = False
+        """A model split over IPUs whose stage programs all came from the executable cache."""
 
     @property
     def rule(self):
@@ -319,6 +322,7 @@ class Executor:
         how = "reused" if compiled.executable is not None else "compiled"
         if compiled.multi_ipu:
             compiled.executable, compiled.usage = compiled.call, compiled.call.memory
+            how = "loaded" if compiled.loaded else how
         elif how == "reused":
             self._keep_on_disk(compiled)
         else:
@@ -337,7 +341,7 @@ class Executor:
     def _executable(self, compiled: CompiledStep, call_args: tuple):
         """``(executable, how)``: the XLA executable of a single-IPU program, ``"loaded"`` from this
         executor's executable cache, else ``"compiled"`` (and written to the cache)."""
-        cache, key = self._executable_cache, self._entry_key(compiled)
+        cache, key = self._executable_cache, self._entry_key(compiled.shared_key)
         if key is not None:
             entry = cache.load(key, list(self._mesh().devices.flat))
             if entry is not None:
@@ -349,17 +353,27 @@ class Executor:
             cache.store(key, executable, compiled.layout.state())
         return executable, "compiled"
 
-    def _entry_key(self, compiled: CompiledStep) -> str | None:
-        """The key of ``compiled`` in this executor's executable cache (None: not cached: no
-        cache, a program without identity, a saved program standing in, several processes)."""
-        if (self._executable_cache is None or compiled.shared_key is None or substituted()
+    def _entry_key(self, shared_key: tuple | None) -> str | None:
+        """The key in this executor's executable cache of the program with ``shared_key`` (None:
+        not cached: no cache, a program without identity, a saved program standing in, several
+        processes)."""
+        if (self._executable_cache is None or shared_key is None or substituted()
                 or self._schedule().processes > 1):
             return None
-        return executable_cache.entry_key(compiled.shared_key)
+        return executable_cache.entry_key(shared_key)
+
+    def _stage_programs_cached(self, shared_key: tuple | None):
+        """A block in which a model split over IPUs has its stage programs compiled through this
+        executor's executable cache (yielding the :class:`~executable_cache.StagePrograms`
+        source), or compiled as usual (yielding None) when it is not cached."""
+        key = self._entry_key(shared_key)
+        if key is None:
+            return contextlib.nullcontext()
+        return executables_from(executable_cache.StagePrograms(self._executable_cache, key))
 
     def _keep_on_disk(self, compiled: CompiledStep) -> None:
         """Write a program another executor compiled into this executor's cache, if not there."""
-        key = self._entry_key(compiled)
+        key = self._entry_key(compiled.shared_key)
         if key is not None and not self._executable_cache.holds(key):
             self._executable_cache.store(key, compiled.executable, compiled.layout.state())
 

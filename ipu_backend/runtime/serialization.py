@@ -72,7 +72,7 @@ def fingerprint(lowered) -> str:
     return hashlib.sha256(lowered.as_text().encode()).hexdigest()
 
 
-def _devices(executable) -> list[int]:
+def device_ids(executable) -> list[int]:
     """The ids of the devices an executable runs on, in its device order."""
     sharding = jax.tree.leaves(executable.input_shardings)[0]
     mesh = getattr(sharding, "mesh", None)
@@ -93,7 +93,7 @@ class Recording:
         executable = next(self._executables)
         payload, _, _ = serialized(executable)
         self.programs.append({"executable": payload, "fingerprint": fingerprint(lowered),
-                              "devices": _devices(executable)})
+                              "devices": device_ids(executable)})
         return executable
 
 

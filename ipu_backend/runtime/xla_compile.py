@@ -46,5 +46,11 @@ def compile_lowered(lowered):
     source = _SOURCE.get()
     if source is not None:
         return source(lowered)
+    return compile_now(lowered)
+
+
+def compile_now(lowered):
+    """``lowered.compile()`` by XLA, with :data:`CPU_OPTIONS` on XLA:CPU (a source of
+    :func:`executables_from` may call it for a program it does not hold)."""
     with phase(XLA_COMPILE):
         return lowered.compile(CPU_OPTIONS if on_cpu() else None)

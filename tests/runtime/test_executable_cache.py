@@ -94,6 +94,52 @@ def test_a_new_process_loads_the_program_instead_of_compiling_it(new_process, mo
         torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=name)
 
 
+class TwoStages(Regression):
+    """The regression split over two IPUs."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = poptorch.BeginBlock(self.out, ipu_id=1)
+
+
+def test_a_new_process_loads_the_stage_programs_of_a_split_model(new_process, monkeypatch, tmp_path, caplog):
+    opts = poptorch.Options().enableExecutableCaching(str(tmp_path))
+    opts.Training.gradientAccumulation(4)
+    x, y = data(8)
+
+    def run(net):
+        model = poptorch.trainingModel(net, opts, optimizer=torch.optim.Adam(net.parameters(), lr=0.01))
+        for _ in range(2):
+            model(x, y)
+        model.copyWeightsToHost()
+
+    torch.manual_seed(0)
+    run(TwoStages())
+    stored = entries(tmp_path)
+    assert len(stored) > 1
+
+    new_process()
+
+    def no_compilation(lowered):
+        raise AssertionError("a stage program was compiled although the cache holds it")
+
+    monkeypatch.setattr(executable_cache.xla_compile, "compile_now", no_compilation)
+    torch.manual_seed(1)
+    net = TwoStages()
+    reference = copy.deepcopy(net)
+    with caplog.at_level("INFO", logger="ipu_backend"):
+        run(net)
+    assert any(r.getMessage().startswith("loaded the training program") for r in caplog.records)
+    assert entries(tmp_path) == stored
+    optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
+    for _ in range(2):      # four micro-batches of equal size: their mean is the whole batch's
+        optimizer.zero_grad()
+        reference(x, y)[1].backward()
+        optimizer.step()
+    for (name, p), (_, q) in zip(net.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=name)
+
+
 def files(directory) -> set[str]:
     """Every file under ``directory``, whatever wrote it."""
     return {str(path.relative_to(directory)) for path in directory.rglob("*") if path.is_file()}
