@@ -13,9 +13,9 @@ trainer answers ``current_epoch`` and ``global_step`` from them (all 0-d tensors
 optimization ``global_step`` counts every ``optimizer.step()``, those the step has made so far
 included, as on the CPU.
 
-A value read here is never baked into the program, so it is current in every step; a Python
-``if`` on it is a branch on a tensor, which the compiler refuses with its line (use
-``torch.where`` or ``torch.cond``).
+A value read here is never baked into the program, so it is current in every step. The host
+knows each micro-batch's counters before the call, so a Python ``if`` on them (``if batch_idx %
+2 == 0``) is decided there, per micro-batch (``ipu_backend.compiler.host_branches``).
 """
 
 import contextlib

@@ -43,8 +43,10 @@ rates), and ``16-mixed`` scales the losses as Lightning's ``MixedPrecision`` plu
 
 What a step reads stays current: ``batch_idx``, ``self.current_epoch`` and ``self.global_step``
 are inputs of the program with the CPU's values in every micro-batch (``_counters.py``), and the
-executors capture a step again when a plain attribute it read has changed. Limits of a traced
-step: a Python branch on a counter is a branch on a tensor (refused with its line); batches stay
+executors capture a step again when a plain attribute it read has changed. A Python ``if`` on
+the counters is decided on the host for each micro-batch (``ipu_backend``'s host branches: the
+strategy tells the executor that the counters, its first argument, are known on the host).
+Limits of a traced step: batches stay
 on the host (``on_before_batch_transfer`` works, ``transfer_batch_to_device`` and
 ``on_after_batch_transfer`` overrides are refused); and callbacks reading ``.grad`` see none,
 since gradients live on the IPUs.
@@ -490,7 +492,7 @@ class IPUStrategy(ParallelStrategy):
             if micro is not None and _short_batches.batch_size(args[0]) < micro * factor:
                 return self._run_short(method, args, micro, factor)
         call_args, adapt = self._with_counters(method, args, executor.options)
-        with seam.step_arguments(adapt):
+        with seam.step_arguments(adapt, host_known=0):
             self._restore_random_state(method, executor, call_args)
             try:
                 result = executor(*call_args)
@@ -508,7 +510,7 @@ class IPUStrategy(ParallelStrategy):
         pieces_run, kept, kept_logs, per_sample, result = _short_batches.pieces(args[0], micro, factor), [], [], None, None
         for piece in pieces_run:
             piece_args, adapt = self._with_counters(method, (piece.batch, *args[1:]), executor.options)
-            with warnings.catch_warnings(), seam.step_arguments(adapt):
+            with warnings.catch_warnings(), seam.step_arguments(adapt, host_known=0):
                 # the short micro-batch's size compiles once more
                 warnings.filterwarnings("ignore", message="the inputs' shapes or dtypes .*changed")
                 self._restore_random_state(method, executor, piece_args)

@@ -19,6 +19,7 @@ from ipu_backend.compiler import (
     float32_precision,
     fused_losses,
     hints,
+    host_branches,
     loops,
     metric_states,
 )
@@ -96,43 +97,73 @@ def _recording_logs(module: torch.nn.Module, recorder: _LogRecorder):
         del module.log, module.log_dict
 
 
-class StepCall(torch.nn.Module):
-    """Exports ``module.<method>(*args)`` and returns ``(result, logged tensors)``."""
+class _Taken:
+    """The guards of a step's last trace (kept off lists: export restores the module's
+    attributes after tracing)."""
 
-    def __init__(self, module: torch.nn.Module, method: str):
+    guards: list = []
+
+
+class StepCall(torch.nn.Module):
+    """Exports ``module.<method>(*args)`` and returns ``(result, logged tensors)``.
+
+    ``host_known``: ``(position, values)`` when the argument at ``position`` is known on the host
+    per micro-batch and holds ``values`` in the micro-batch captured: the step may then branch
+    in Python on what it computes from it alone (``host_branches``; ``taken.guards`` lists the
+    branches taken)."""
+
+    def __init__(self, module: torch.nn.Module, method: str, host_known: tuple | None = None):
         super().__init__()
         self.module = module
         self.method = method
         self.recorder = _LogRecorder(module)
+        self.host_known = host_known
+        self.taken = _Taken()
 
     def forward(self, *args):
         self.recorder.reset()
-        adapt = _STEP_ARGUMENTS.get()
+        self.taken.guards = []
+        adapt = _STEP_ARGUMENTS.get()[0]
         scope = contextlib.nullcontext()
-        if adapt is not None:
-            args, scope = adapt(self.module, args)
-        with (_recording_logs(self.module, self.recorder), metric_states.lifted(self.module) as metrics,
-              scope):
-            result = getattr(self.module, self.method)(*args)
-            specs, values = metric_states.updated_states(metrics)
+        tracking = contextlib.nullcontext()
+        if self.host_known is not None:
+            position, values = self.host_known
+            tracking = host_branches.tracking(args[position], values)
+        with tracking as tracked:
+            if adapt is not None:
+                args, scope = adapt(self.module, args)
+            with (_recording_logs(self.module, self.recorder), metric_states.lifted(self.module) as metrics,
+                  scope):
+                result = getattr(self.module, self.method)(*args)
+                specs, values = metric_states.updated_states(metrics)
+        if tracked is not None:
+            self.taken.guards = list(tracked.guards)
         self.recorder.calls.extend(LogCall(spec.key, state=spec) for spec in specs)
         return result, list(self.recorder.tensors) + values
 
 
-_STEP_ARGUMENTS = contextvars.ContextVar("ipu_backend_step_arguments", default=None)
+_STEP_ARGUMENTS = contextvars.ContextVar("ipu_backend_step_arguments", default=(None, None))
 
 
 @contextlib.contextmanager
-def step_arguments(adapt):
+def step_arguments(adapt, host_known: int | None = None):
     """While the block runs, a step method captured (:class:`StepCall`) gets the arguments
     ``adapt(module, args)`` gives as ``(arguments, context manager)``, and runs inside that
     context: how a caller passes a step values it reads elsewhere than in its arguments (the
-    Lightning face's counters, read through the module's trainer) as program inputs."""
-    token = _STEP_ARGUMENTS.set(adapt)
+    Lightning face's counters, read through the module's trainer) as program inputs.
+    ``host_known``: the position of an argument whose values the host knows before each call,
+    per micro-batch, so that executors that can let the step branch in Python on it (see
+    ``host_branches``)."""
+    token = _STEP_ARGUMENTS.set((adapt, host_known))
     try:
         yield
     finally:
         _STEP_ARGUMENTS.reset(token)
+
+
+def host_known_input() -> int | None:
+    """The position of the step's argument known on the host (:func:`step_arguments`)."""
+    return _STEP_ARGUMENTS.get()[1]
 
 
 _CAPTURING = contextvars.ContextVar("ipu_backend_capturing", default=False)
@@ -186,8 +217,10 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
             f"the program branches on the value of a tensor at {where}. A compiled program is "
             "traced once, so Python control flow cannot depend on tensor data. Use torch.where "
             "for element-wise choices, or torch.cond(pred, true_fn, false_fn, operands) to "
-            "branch (it lowers to lax.cond). In a Lightning step, batch_idx, self.current_epoch "
-            "and self.global_step are such tensors: they change from one step to the next.") from error
+            "branch (it lowers to lax.cond). In a Lightning step, a branch on batch_idx, "
+            "self.current_epoch or self.global_step (or on what is computed from them alone) is "
+            "decided on the host, except with manual optimization; mixed with other tensors they "
+            "are data too.") from error
     except Error:
         raise
     except (RuntimeError, TypeError, ValueError, IndexError) as error:

@@ -123,6 +123,17 @@ class Program:
     """What the program computes, as a digest (:mod:`~ipu_backend.compiler.identity`): equal for
     captures that lower to the same function, None when some value in it has no stable
     description (the program is then never shared)."""
+    host_input: int | None = None
+    """The position of the input known on the host per micro-batch, when the capture branched
+    on it in Python (``guards``)."""
+    guards: tuple = ()
+    """The Python values the capture took from tensors of ``host_input``, in order
+    (:class:`~ipu_backend.compiler.host_branches.Guard`): the branches this capture follows."""
+    variants: tuple = ()
+    """The captures (:class:`~ipu_backend.compiler.host_branches.Variant`) of a step that
+    branches on ``host_input``: each micro-batch runs the one whose guards hold for it. With
+    several, ``logged_fn`` takes each micro-batch's variant as one more input, last
+    (:func:`~ipu_backend.compiler.host_branches.combined`)."""
 
     def parameters_with_gradient(self, node: torch.fx.Node) -> frozenset[str]:
         """The parameters whose values reach ``node`` through floating-point values and no
@@ -196,15 +207,20 @@ class Program:
 
 
 def compile_module(module: torch.nn.Module, example_args: tuple, method: str | None = None,
-                   loop_repeated_layers: bool = True, keywords: tuple[str, ...] = ()) -> Program:
+                   loop_repeated_layers: bool = True, keywords: tuple[str, ...] = (),
+                   host_input: int | None = None) -> Program:
     """Capture ``module(*example_args)`` (or ``module.<method>(*example_args)``) as a Program.
     The last ``len(keywords)`` arguments are passed by keyword, under those names.
+
+    ``host_input``: the position of a step method's argument whose values the host knows per
+    micro-batch: the step may branch in Python on it (the Program's ``guards``).
 
     ``loop_repeated_layers``: runs of structurally identical layers (``repeated_layers``) are
     captured once and lowered as one loop over their stacked weights, so that capture, tracing
     and XLA compilation do not grow with depth; False captures and lowers every layer inline.
     """
-    target = module if method is None else capture.StepCall(module, method)
+    host_known = None if host_input is None or method is None else (host_input, example_args[host_input])
+    target = module if method is None else capture.StepCall(module, method, host_known)
     runs = repeated_layers.repeated_runs(module) if loop_repeated_layers else []
     start = time.time()
     args, kwargs = split_keywords(tuple(example_args), keywords)
@@ -229,7 +245,9 @@ def compile_module(module: torch.nn.Module, example_args: tuple, method: str | N
         program = _build(module, exported, "", None, keywords)
     else:
         program = _build(module, exported, "module.", tuple(target.recorder.calls), keywords)
-    return replace(program, python_reads=tuple(reads))
+    guards = () if method is None else tuple(target.taken.guards)
+    return replace(program, python_reads=tuple(reads), guards=guards,
+                   host_input=host_input if guards else None)
 
 
 def split_keywords(inputs: tuple, keywords: tuple[str, ...]) -> tuple[tuple, dict]:

@@ -28,7 +28,8 @@ def is_library_file(path: str) -> bool:
     return os.path.realpath(path).startswith(_LIBRARY_DIRS)
 
 
-def _describe(path: str, line: int) -> str:
+def location(path: str, line: int) -> str:
+    """``file:line: code``."""
     code = linecache.getline(path, line).strip()
     return f"{path}:{line}" + (f": {code}" if code else "")
 
@@ -39,7 +40,7 @@ def user_location(stack_trace: str | None) -> str | None:
         return None
     frames = [(path, int(line)) for path, line in _FRAME.findall(stack_trace)]
     user = [f for f in frames if not is_library_file(f[0])] or frames
-    return _describe(*user[-1]) if user else None
+    return location(*user[-1]) if user else None
 
 
 def traceback_location(tb: types.TracebackType | None) -> str | None:
@@ -50,4 +51,4 @@ def traceback_location(tb: types.TracebackType | None) -> str | None:
         if not is_library_file(path) and not path.startswith("<"):
             user = (path, tb.tb_lineno)
         tb = tb.tb_next
-    return _describe(*user) if user else None
+    return location(*user) if user else None

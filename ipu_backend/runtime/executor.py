@@ -13,10 +13,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ipu_backend.compiler import compile_module, float32_precision
+from ipu_backend.compiler.capture import host_known_input
 from ipu_backend.compiler.lowering_options import current_options
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, totals_of
 from ipu_backend.errors import Error
-from ipu_backend.runtime import compile_hooks, host_optimizer, perf_counters, processes, program_cache, serialization
+from ipu_backend.runtime import compile_hooks, host_optimizer, perf_counters, processes, program_cache
+from ipu_backend.runtime import serialization, variants
 from ipu_backend.runtime.compile_progress import CAPTURE, phase
 from ipu_backend.runtime.lifecycle import (
     NO_EXECUTABLE,
@@ -136,12 +138,12 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         self._profiler.started()
         groups = self._param_groups()
         with self._compilation():
-            compiled = self._compile(args, groups, keywords)
+            compiled, inputs = self._compile(args, groups, keywords)
             if compiled.program.index_inputs:
                 check_index_inputs(args, compiled.program.index_inputs)
             if not self._attached:
                 self.attachToDevice()
-            call_args = self._call_arguments(compiled, args, groups,
+            call_args = self._call_arguments(compiled, inputs, groups,
                                              place_inputs=compiled.executable is None or self._profiler.times_inputs)
             self._ensure_executable(compiled, call_args, self._offloads_optimizer_state(compiled))
         return self._run(compiled, call_args, args)
@@ -153,8 +155,8 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             self._profiler.started()
             groups = self._param_groups()
             with self._compilation():
-                compiled = self._compile(args, groups, keywords)
-                self._ensure_executable(compiled, self._call_arguments(compiled, args, groups, advance=False),
+                compiled, inputs = self._compile(args, groups, keywords)
+                self._ensure_executable(compiled, self._call_arguments(compiled, inputs, groups, advance=False),
                                         self._offloads_optimizer_state(compiled))
 
     def isCompiled(self) -> bool:  # noqa: N802
@@ -193,8 +195,8 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         self._profiler.started()
         groups = self._param_groups()
         with executables_from(serialization.Loading(data, filename)) as loading, self._compilation():
-            compiled = self._compile(args, groups)       # a split model compiles its stages here
-            self._ensure_executable(compiled, self._call_arguments(compiled, args, groups, advance=False),
+            compiled, inputs = self._compile(args, groups)       # a split model compiles its stages here
+            self._ensure_executable(compiled, self._call_arguments(compiled, inputs, groups, advance=False),
                                     self._offloads_optimizer_state(compiled))
         loading.check_complete()
 
@@ -390,13 +392,22 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         return (self._training, self._step_method, self._settings.key, structure, self._gradient_clipping,
                 float32_precision.program_key(), input_signature(args), keywords)
 
-    def _compile(self, args: tuple, groups: tuple | None, keywords: tuple = ()) -> CompiledStep:
+    def _compile(self, args: tuple, groups: tuple | None, keywords: tuple = ()) -> tuple[CompiledStep, tuple]:
+        """The compiled step for ``args`` and the inputs its call takes: ``args``, and when the
+        step branches in Python on a host-known input, each micro-batch's variant
+        (``runtime/variants.py``); a call whose micro-batches take new branches compiles again."""
         signature = self._cache_key(args, groups, keywords)
         compiled = self._compiled.get(signature)
         stale = compiled is not None and self._reads_changed(compiled)
+        known = ()
         if compiled is not None and not stale and (compiled.rule is None or self._rule_matches(compiled.rule, groups)):
-            return compiled
-        if self._last_signature is not None and not stale:
+            if not compiled.program.variants:
+                return compiled, args
+            inputs = variants.with_choice(compiled.program, args, self._schedule())
+            if inputs is not None:
+                return compiled, inputs
+            known = compiled.program.variants
+        elif self._last_signature is not None and not stale:
             warnings.warn("the inputs' shapes or dtypes (or torch's float32 precision settings) "
                           "changed since the last call: compiling again for the new ones (each "
                           "distinct signature is compiled once)",
@@ -404,11 +415,14 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         self._last_signature = signature
         float32_precision.note_compiled(float32_precision.program_key())
         schedule = self._schedule()
-        micro = first_micro_batch(args, schedule)
-        compiled = self._build(micro, schedule, time.perf_counter(), keywords)
-        compiled.inputs = serialization.input_specs(args)
+        started = time.perf_counter()
+        program = variants.covering(lambda micro: self._capture(micro, keywords), first_micro_batch(args, schedule),
+                                    args, schedule, known, self._step_method or "model")
+        inputs = variants.with_choice(program, args, schedule) if program.variants else args
+        compiled = self._build(program, first_micro_batch(inputs, schedule), schedule, started, keywords)
+        compiled.inputs = serialization.input_specs(inputs)
         self._compiled[signature] = compiled
-        return compiled
+        return compiled, inputs
 
     def _call_arguments(self, compiled: CompiledStep, args: tuple, groups: tuple | None,
                         advance: bool = True, place_inputs: bool = True) -> tuple:
@@ -465,11 +479,10 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             self._hyper = cached = (rule, values, hyper)
         return cached[2]
 
-    def _build(self, micro: tuple, schedule: Schedule, started: float, keywords: tuple = ()) -> CompiledStep:
-        """The compiled program of a capture of the model on ``micro``: one the process already
-        compiled for an equal capture (same identity, options, optimizer structure and inputs),
-        else a new one."""
-        program = self._capture(micro, keywords)
+    def _build(self, program, micro: tuple, schedule: Schedule, started: float, keywords: tuple = ()) -> CompiledStep:
+        """The compiled program of ``program`` (a capture of the model on ``micro``): one the
+        process already compiled for an equal capture (same identity, options, optimizer structure
+        and inputs), else a new one."""
         rule, loss_index, without_gradient = self._rule_and_loss(program)
         shared_key = None if program.identity is None else (
             program.identity, self._training, self._step_method, self._settings.key,
@@ -491,7 +504,8 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         try:
             with capture_modes(model, self._training, self._step_method), phase(CAPTURE):
                 return compile_module(model, micro, method=self._step_method, keywords=keywords,
-                                      loop_repeated_layers=self._settings.loop_repeated_layers)
+                                      loop_repeated_layers=self._settings.loop_repeated_layers,
+                                      host_input=None if self._step_method is None else host_known_input())
         finally:
             compile_hooks.run(compile_hooks.POST_COMPILE)
 
@@ -516,6 +530,10 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         if has_blocks(program.graph_module) and schedule.processes > 1:
             raise Error("a model split over IPUs (BeginBlock, Block, Stage) runs in one process: several "
                         "processes (Options.Distributed) replicate single-IPU models only")
+        if has_blocks(program.graph_module) and program.variants:
+            raise Error("a model split over IPUs (BeginBlock, Block, Stage) cannot branch in Python on "
+                        f"batch_idx, current_epoch or global_step (at {program.guards[0].location}): "
+                        "choose the value with torch.where instead")
         if has_blocks(program.graph_module):        # split over IPUs
             with self._stage_programs_cached(shared_key) as stage_programs:
                 multi = self._split_program(micro, schedule, program, rule, loss_index)
@@ -548,7 +566,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             return None, None, frozenset()
         model = self._user_model
         loss_index = find_loss(program, step_method=self._step_method is not None)
-        without_gradient = parameters_without_gradient(program, loss_index, model)
+        without_gradient = parameters_without_gradient(program, loss_index, model, self._step_method is not None)
         rule = optimizer_rule(self._optimizer, {id(p): n for n, p in torch.nn.Module.named_parameters(model)},
                               without_gradient=without_gradient)
         return rule, loss_index, without_gradient

@@ -4,6 +4,7 @@ parameters it gives gradients to."""
 import torch
 import torch.utils._pytree as torch_pytree
 
+from ipu_backend.compiler import host_branches
 from ipu_backend.compiler.custom_ops import IDENTITY_LOSS
 from ipu_backend.errors import Error
 
@@ -68,9 +69,25 @@ def find_loss(program, step_method: bool = False) -> int:
                 "ambiguous: mark the loss with poptorch.identity_loss(loss, reduction='none')")
 
 
-def parameters_without_gradient(program, loss_index: int, model: torch.nn.Module) -> frozenset[str]:
+def parameters_without_gradient(program, loss_index: int, model: torch.nn.Module,
+                                step_method: bool = False) -> frozenset[str]:
     """The parameters torch leaves without ``.grad`` after the loss's backward pass, and its
-    optimizers skip: frozen (``requires_grad=False``) or not used by the loss."""
+    optimizers skip: frozen (``requires_grad=False``) or not used by the loss. A step with
+    several variants (``compiler/host_branches.py``) must leave the same ones in each: a
+    compiled step cannot skip a parameter in some micro-batches only."""
+    without = _without_gradient(program, loss_index, model)
+    for variant in program.variants[1:]:
+        other = _without_gradient(variant.program, find_loss(variant.program, step_method), model)
+        if other != without:
+            raise Error(f"the parameters {sorted(other ^ without)} get a gradient in one way of the Python "
+                        f"branch at {host_branches.diverging_line(program.variants[0], variant)} but not in "
+                        "the other: torch's optimizers skip a parameter without a gradient, which a "
+                        "compiled step cannot do per micro-batch. Use them in every branch (e.g. times 0) "
+                        "or choose the value with torch.where")
+    return without
+
+
+def _without_gradient(program, loss_index: int, model: torch.nn.Module) -> frozenset[str]:
     reached = program.parameters_with_gradient(program.result_arrays()[loss_index])
     return frozenset(name for name, p in torch.nn.Module.named_parameters(model)
                      if not p.requires_grad or name not in reached)

@@ -90,21 +90,6 @@ def test_manual_optimization_counts_each_optimizer_step_in_global_step():
     assert_same_weights(ipu, cpu)
 
 
-class BranchesOnBatchIdx(Regressor):
-    def training_step(self, batch, batch_idx):
-        loss = super().training_step(batch, batch_idx)
-        if batch_idx % 2:
-            return loss * 2
-        return loss
-
-
-def test_a_python_branch_on_batch_idx_names_its_line_and_the_fix():
-    trainer = pl.Trainer(accelerator="ipu", max_steps=2, **QUIET)
-    with pytest.raises(ipu_backend.Error, match=r"test_counters.py:\d+.*torch.where.*batch_idx, "
-                                                r"self.current_epoch and self.global_step are such tensors"):
-        trainer.fit(BranchesOnBatchIdx(), loader(dataset(16), 4))
-
-
 class LogsCounters(Regressor):
     def validation_step(self, batch, batch_idx):
         x, y = batch
