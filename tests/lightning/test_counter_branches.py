@@ -133,3 +133,23 @@ def test_a_branch_on_a_counter_mixed_with_data_names_its_line():
     with pytest.raises(ipu_backend.Error, match=r"test_counter_branches.py:\d+: if batch_idx \+ x.sum\(\) > 0.*"
                                                 r"torch.where.*mixed with other tensors"):
         trainer.fit(BranchesOnData(), loader(dataset(16), 4))
+
+
+class TrainsAHeadInOneBranch(Regressor):
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(2, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.net(x)
+        if self.current_epoch >= 1:
+            out = self.head(out)
+        return F.mse_loss(out, y)
+
+
+def test_a_parameter_trained_in_one_branch_only_is_refused():
+    trainer = pl.Trainer(accelerator="ipu", max_epochs=2, **QUIET)
+    with pytest.raises(ipu_backend.Error, match=r"\['head.bias', 'head.weight'\].*"
+                                                r"test_counter_branches.py:\d+: if self.current_epoch >= 1:"):
+        trainer.fit(TrainsAHeadInOneBranch(), loader(dataset(8), 4))
