@@ -447,6 +447,7 @@ class Executor:
         (stacked on the host: no conversion on the device); a Lightning step also takes the host
         writes callbacks made since its last call (see ``weights.py``)."""
         if not self._started:
+            self._store.check_buffer_names(self._settings.updatable_named_buffers)
             self._started = True
             self._store.load_from_host(packing)
         elif self._step_method is not None:

@@ -82,15 +82,21 @@ class WeightStore:
             for callback in self.on_host_load:
                 callback(written)
 
+    def check_buffer_names(self, names) -> None:
+        """Refuse ``Options.updatableNamedBuffers`` naming a buffer the module does not have."""
+        host = dict(torch.nn.Module.named_buffers(self.module))
+        unknown = [name for name in names if name not in host]
+        if unknown:
+            raise Error(f"updatableNamedBuffers names buffers the model does not have: {unknown}; the "
+                        f"model's buffers are {sorted(host) or 'none'}")
+
     def load_buffers_from_host(self, names) -> None:
         """The module's current values of the buffers ``names`` become the device's
         (``copyNamedBuffersToDevice``); the device keeps its other weights."""
         with self.lock:
             self.device_state(self.packing)
+            self.check_buffer_names(names)
             host = dict(torch.nn.Module.named_buffers(self.module))
-            unknown = [name for name in names if name not in host]
-            if unknown:
-                raise Error(f"updatableNamedBuffers names buffers the model does not have: {unknown}")
             self.buffers = {**self.buffers, **{name: to_jax(host[name], f"buffer {name}") for name in names}}
             self._agree((name, host[name]) for name in names)
 

@@ -93,6 +93,14 @@ def test_copy_named_buffers_to_device_updates_only_those_buffers():
         unmarked.copyNamedBuffersToDevice()
 
 
+def test_updatable_named_buffers_naming_a_missing_buffer_fail_the_first_call():
+    module = torch.nn.BatchNorm1d(3)
+    model = poptorch.inferenceModel(module, poptorch.Options().updatableNamedBuffers(["running_meen"]))
+    with pytest.raises(poptorch.Error, match=r"updatableNamedBuffers names buffers the model does not "
+                                             r"have: \['running_meen'\].*running_mean"):
+        model(torch.randn(2, 3))
+
+
 class Summed(torch.nn.Module):
     def __init__(self):
         super().__init__()
