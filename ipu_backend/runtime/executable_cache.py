@@ -211,7 +211,7 @@ class StagePrograms:
 
     def __call__(self, lowered):
         key = hashlib.sha256(f"{self._program_key} {serialization.fingerprint(lowered)}".encode()).hexdigest()
-        entry = self._cache.load(key, _devices_by_id)
+        entry = self._cache.load(key, serialization.devices_with_ids)
         if entry is not None:
             self.loaded += 1
             return entry[0]
@@ -219,11 +219,6 @@ class StagePrograms:
         self._cache.store(key, executable, serialization.device_ids(executable))
         self.compiled += 1
         return executable
-
-
-def _devices_by_id(ids: list[int]) -> list:
-    by_id = {device.id: device for device in jax.devices()}
-    return [by_id[i] for i in ids]
 
 
 def for_setting(setting: str | None) -> ExecutableCache | None:

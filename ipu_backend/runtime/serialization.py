@@ -80,6 +80,12 @@ def device_ids(executable) -> list[int]:
     return [device.id for device in devices]
 
 
+def devices_with_ids(ids: list[int]) -> list:
+    """The JAX devices with ``ids`` (as :func:`device_ids` gives them), in that order."""
+    by_id = {device.id: device for device in jax.devices()}
+    return [by_id[i] for i in ids]
+
+
 class Recording:
     """An executable source (``xla_compile.executables_from``) that hands back the ``executables``
     already compiled, in the order the runtime asks for them, and notes each one's program:
@@ -114,9 +120,7 @@ class Loading:
             raise self._mismatch()
         saved = self._programs[self.used]
         self.used += 1
-        by_id = {device.id: device for device in jax.devices()}
-        return deserialized(saved["executable"], lowered.in_tree, lowered.out_tree,
-                            [by_id[i] for i in saved["devices"]])
+        return deserialized(saved["executable"], lowered.in_tree, lowered.out_tree, devices_with_ids(saved["devices"]))
 
     def check_complete(self) -> None:
         """Every saved program was loaded (none when the model was compiled already)."""

@@ -84,6 +84,8 @@ class WeightStore:
 
     def check_buffer_names(self, names) -> None:
         """Refuse ``Options.updatableNamedBuffers`` naming a buffer the module does not have."""
+        if not names:
+            return
         host = dict(torch.nn.Module.named_buffers(self.module))
         unknown = [name for name in names if name not in host]
         if unknown:
