@@ -163,6 +163,8 @@ class Options(_OptionGroup):
             ipu_spec: IpuSpec = MK2,
             memory_check: str = DEFAULT_CHECK,
             loop_repeated_layers: bool = True,
+            input_group_size: int = 1,
+            input_group_type: str | CommGroupType = CommGroupType.Consecutive,
     ) -> None:
         shared = _SharedState()
         super().__init__(shared, execution_strategy=None, random_seed=None, profiling_dir=None)
@@ -200,6 +202,7 @@ class Options(_OptionGroup):
         self.setIpuSpec(ipu_spec)
         self.setMemoryCheck(memory_check)
         self.loopRepeatedLayers(loop_repeated_layers)
+        self.inputReplicaGrouping(input_group_size, input_group_type)
         self._apply_environment()
 
     def _apply_environment(self) -> None:
@@ -268,6 +271,9 @@ class Options(_OptionGroup):
     loop_repeated_layers = _emulated(
         "loop_repeated_layers", "Whether runs of identical layers compile once, as one loop.",
         "loopRepeatedLayers")
+    input_group_size = _emulated("input_group_size", "Replicas in each group sharing input data.")
+    input_group_type = _emulated(
+        "input_group_type", "How replicas are placed in input groups (a CommGroupType).")
 
     # PopTorch's setters for emulated settings.
 
@@ -398,10 +404,11 @@ class Options(_OptionGroup):
     @_unless_frozen
     def inputReplicaGrouping(self, input_group_size: int,
                              input_group_type: CommGroupType) -> Self:
-        """Only groups of one replica are emulated (each replica gets its own data)."""
+        """Replicas in groups of ``input_group_size`` (arranged as ``input_group_type`` says) see
+        the same input data: a call's combined batch holds one share per group."""
         group_type = parse_member(CommGroupType, input_group_type, "input_group_type")
         if group_type is CommGroupType.NoGrouping:
-            input_group_size = 1
+            input_group_size, group_type = 1, CommGroupType.Consecutive
         elif group_type is CommGroupType.All:
             raise InvalidArgument("input_group_type cannot be All")
         _int_at_least(input_group_size, "input_group_size", 1)
@@ -409,10 +416,8 @@ class Options(_OptionGroup):
             raise InvalidArgument("input_group_size cannot be larger than replication_factor")
         if self.replication_factor % input_group_size:
             raise InvalidArgument("input_group_size must be a factor of replication_factor")
-        if input_group_size > 1:
-            raise Error(f"Options.inputReplicaGrouping({input_group_size}, {group_type.name}) is "
-                        "not emulated: replicas sharing input data would see different batches "
-                        "here. Remove it, or use input_group_size=1.")
+        self._values["input_group_size"] = input_group_size
+        self._values["input_group_type"] = group_type
         return self
 
     # Inert PopTorch settings: checked, recorded, no effect on emulated IPUs.
@@ -634,6 +639,8 @@ class Options(_OptionGroup):
             loop_repeated_layers=self.loop_repeated_layers,
             updatable_named_buffers=tuple(self.updatable_named_buffers), log_cycle_count=self.log_cycle_count,
             show_compilation_progress=self.show_compilation_progress_bar,
+            input_group_size=self.input_group_size,
+            input_groups_orthogonal=self.input_group_type is CommGroupType.Orthogonal,
             key=repr((_program_settings(self.toDict()), self.Distributed.numProcesses)))
 
     def _groups(self) -> tuple[_OptionGroup, ...]:

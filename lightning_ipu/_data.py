@@ -24,7 +24,8 @@ _PASSED_THROUGH = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker
 
 
 def micro_batches_per_call(options: ipu_backend.Options) -> int:
-    return (options.device_iterations * options.replication_factor
+    """Micro-batches in one call's combined batch (one per group of replicas sharing input data)."""
+    return (options.device_iterations * options.replication_factor // options.input_group_size
             * options.Training.gradient_accumulation)
 
 

@@ -282,8 +282,6 @@ def test_poptorch_checks_of_inert_settings():
 def test_settings_that_would_change_numerics_are_refused_by_name():
     with pytest.raises(Error, match=r"enableSyntheticData\(True\) is not emulated"):
         Options().enableSyntheticData(True)
-    with pytest.raises(Error, match=r"inputReplicaGrouping\(2, Orthogonal\) is not emulated"):
-        Options().replicationFactor(4).inputReplicaGrouping(2, CommGroupType.Orthogonal)
     opts = Options().replicationFactor(4)
     assert opts.enableSyntheticData(False).inputReplicaGrouping(
         4, CommGroupType.NoGrouping).inputReplicaGrouping(1, CommGroupType.Consecutive) == opts

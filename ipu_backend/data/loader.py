@@ -1,8 +1,9 @@
 """PopTorch's ``DataLoader``: each item is the data of one model run (a *combined batch*).
 
 One run of the model consumes ``device_iterations x replication_factor x gradient_accumulation``
-micro-batches of ``batch_size`` samples; the loader yields them concatenated along dim 0, in the
-order the runtime splits them. ``DataLoaderMode.Async`` fetches the next combined batch on a
+micro-batches of ``batch_size`` samples (``replication_factor / input_group_size`` when groups of
+replicas share input data); the loader yields them concatenated along dim 0, in the order the
+runtime splits them. ``DataLoaderMode.Async`` fetches the next combined batch on a
 background thread while the device computes (:mod:`~ipu_backend.data.prefetch`); a
 ``TensorDataset``'s are gathered by indexing its tensors (:mod:`~ipu_backend.data.gather`).
 """
@@ -90,7 +91,7 @@ class DataLoader(torch.utils.data.DataLoader):
                 "`batch_sampler` option is mutually exclusive with batch_size, shuffle.")
 
         options._freeze()
-        micro_batches = (options.device_iterations * options.replication_factor
+        micro_batches = (options.device_iterations * options.replication_factor // options.input_group_size
                          * options.Training.gradient_accumulation)
         if batch_sampler is not None:
             sampler_batch_size = getattr(batch_sampler, "batch_size", None)
@@ -258,8 +259,13 @@ def _warn_sample_remainder(num_samples: int, combined: int, batch_size: int, opt
     warnings.warn(
         f"The dataset's {num_samples} samples do not divide into combined batches of {combined} "
         f"(batch_size {batch_size} x device_iterations {options.device_iterations} x "
-        f"replication_factor {options.replication_factor} x gradient_accumulation "
+        f"replication_factor {options.replication_factor}{_per_input_group(options)} x gradient_accumulation "
         f"{options.Training.gradient_accumulation}): {what}.", stacklevel=3)
+
+
+def _per_input_group(options: Options) -> str:
+    """How the replication factor counts in a combined batch when groups of replicas share input."""
+    return "" if options.input_group_size == 1 else f" / input_group_size {options.input_group_size}"
 
 
 def _warn_micro_batch_remainder(batch_sampler: Any, micro_batches: int, drop_last: bool) -> None:

@@ -18,7 +18,7 @@ from ipu_backend.compiler.lowering_options import current_options
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, totals_of
 from ipu_backend.errors import Error
 from ipu_backend.runtime import compile_hooks, host_optimizer, perf_counters, processes, program_cache
-from ipu_backend.runtime import serialization, variants
+from ipu_backend.runtime import replica_groups, serialization, variants
 from ipu_backend.runtime.compile_progress import CAPTURE, phase
 from ipu_backend.runtime.lifecycle import (
     NO_EXECUTABLE,
@@ -43,24 +43,6 @@ from ipu_backend.runtime.schedule import Schedule
 from ipu_backend.runtime.stages import has_blocks
 from ipu_backend.runtime.step import OutputLayout, inference_call, initial_scaler, master_copy, training_call
 from ipu_backend.runtime.xla_compile import compile_lowered, executables_from
-
-def _plain(value):
-    """A param-group value as something ``==`` compares by content (tensors as lists)."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", value.tolist())
-    if isinstance(value, (tuple, list)):
-        return tuple(_plain(v) for v in value)
-    return value
-
-
-def _param_group_values(optimizer) -> tuple:
-    """Everything an optimizer rule reads from ``optimizer``: its kind, and each param group's
-    parameters and values. Equal values give equal hyper-parameters and the same rule match."""
-    return (type(optimizer),) + tuple(
-        (tuple((id(p), p.requires_grad) for p in group["params"]),
-         tuple((k, _plain(v)) for k, v in group.items() if k != "params"))
-        for group in optimizer.param_groups)
-
 
 def _forward_with_constants(program, args: tuple):
     """The program as ``forward(params, buffers, tensor_leaves, key)``: non-tensor arguments
@@ -99,6 +81,8 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         """``(rule, param-group values, hyper-parameters on the mesh)`` of the last call."""
         self._attached = True
         self._destroyed = False
+        self._weight_groupings = {}
+        """Parameter name -> its ``replicaGrouping`` (``runtime/replica_groups.py``)."""
         if training:
             host_optimizer.watch(optimizer, self, PoplarExecutor._optimizer_states_to_host,
                                  PoplarExecutor._optimizer_state_loaded)
@@ -124,10 +108,14 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         return self._user_model.__reduce_ex__(protocol)
 
     def __getattr__(self, name):
-        """Attributes of the wrapped model, as PopTorch's executor exposes them."""
+        """Attributes of the wrapped model, as PopTorch's executor exposes them (a parameter
+        with its ``replicaGrouping``)."""
         if name.startswith("_"):
             raise AttributeError(name)
-        return getattr(self._user_model, name)
+        value = getattr(self._user_model, name)
+        if isinstance(value, torch.nn.Parameter):
+            return replica_groups.GroupableParameter(value, name, self._weight_groupings)
+        return value
 
     def __call__(self, *args, **kwargs):
         with self._store.lock:
@@ -384,13 +372,14 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         return tuple(bound.args) + tuple(bound.kwargs.values()), tuple(bound.kwargs)
 
     def _param_groups(self) -> tuple | None:
-        """:func:`_param_group_values` of the optimizer (None without one), read once a call."""
-        return None if self._optimizer is None else _param_group_values(self._optimizer)
+        """``host_optimizer.param_group_values`` of the optimizer (None without one), read once a call."""
+        return None if self._optimizer is None else host_optimizer.param_group_values(self._optimizer)
 
     def _cache_key(self, args: tuple, groups: tuple | None, keywords: tuple) -> tuple:
         structure = None if groups is None else (groups[0],) + tuple(group[0] for group in groups[1:])
         return (self._training, self._step_method, self._settings.key, structure, self._gradient_clipping,
-                float32_precision.program_key(), input_signature(args), keywords)
+                float32_precision.program_key(), input_signature(args), keywords,
+                tuple(self._weight_groupings.items()))
 
     def _compile(self, args: tuple, groups: tuple | None, keywords: tuple = ()) -> tuple[CompiledStep, tuple]:
         """The compiled step for ``args`` and the inputs its call takes: ``args``, and when the
@@ -487,7 +476,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         shared_key = None if program.identity is None else (
             program.identity, self._training, self._step_method, self._settings.key,
             None if rule is None else rule.structure, self._gradient_clipping, float32_precision.program_key(),
-            input_signature(micro), keywords, current_options())
+            input_signature(micro), keywords, current_options(), tuple(self._weight_groupings.items()))
         shared = None if shared_key is None else program_cache.SHARED.get(shared_key)
         if shared is not None:
             rules = () if rule is None else (rule,) if shared.multi_ipu else (self._packed_rule(program, without_gradient)[1],)
@@ -502,7 +491,8 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         self._store.sync_to_host()
         compile_hooks.run(compile_hooks.PRE_COMPILE)
         try:
-            with capture_modes(model, self._training, self._step_method), phase(CAPTURE):
+            with capture_modes(model, self._training, self._step_method), phase(CAPTURE), \
+                    replica_groups.one_group_each(model, self._replica_rows()):
                 return compile_module(model, micro, method=self._step_method, keywords=keywords,
                                       loop_repeated_layers=self._settings.loop_repeated_layers,
                                       host_input=None if self._step_method is None else host_known_input())
@@ -530,6 +520,10 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         if has_blocks(program.graph_module) and schedule.processes > 1:
             raise Error("a model split over IPUs (BeginBlock, Block, Stage) runs in one process: several "
                         "processes (Options.Distributed) replicate single-IPU models only")
+        views = replica_groups.replica_views(self._replica_rows())
+        if has_blocks(program.graph_module) and views is not None:
+            raise Error("a model split over IPUs (BeginBlock, Block, Stage) cannot group weights over "
+                        "replicas (replicaGrouping): it runs on single-IPU models")
         if has_blocks(program.graph_module) and program.variants:
             raise Error("a model split over IPUs (BeginBlock, Block, Stage) cannot branch in Python on "
                         f"batch_idx, current_epoch or global_step (at {program.guards[0].location}): "
@@ -543,10 +537,10 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
                 return compiled
         check_ipu_count(schedule.replicas, self._settings.auto_round_num_ipus)
         if not self._training:
-            return CompiledStep(inference_call(forward, schedule, mesh, layout, totals), program, layout, dtypes,
+            return CompiledStep(inference_call(forward, schedule, mesh, layout, totals, views), program, layout, dtypes,
                                 log_dtypes, packing=Packing(program.stacks))
         packing, rule = self._packed_rule(program, without_gradient)
-        call = training_call(forward, loss_index, rule, schedule, mesh, layout, totals)
+        call = training_call(forward, loss_index, rule, schedule, mesh, layout, totals, views)
         return CompiledStep(call, program, layout, dtypes, log_dtypes, (rule,), packing=packing)
 
     def _packed_rule(self, program, without_gradient: frozenset) -> tuple:
@@ -570,6 +564,10 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         rule = optimizer_rule(self._optimizer, {id(p): n for n, p in torch.nn.Module.named_parameters(model)},
                               without_gradient=without_gradient)
         return rule, loss_index, without_gradient
+
+    def _replica_rows(self) -> dict:
+        """Each grouped weight's row for each replica (``replica_groups.replica_rows``)."""
+        return replica_groups.replica_rows(self._weight_groupings, self._user_model, self._schedule().replicas)
 
     def _split_program(self, micro: tuple, schedule: Schedule, program, rule, loss_index):
         """The program of a model with blocks split over IPUs (None when it all runs on IPU 0)."""

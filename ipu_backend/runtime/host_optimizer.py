@@ -43,3 +43,21 @@ def release(optimizer: torch.optim.Optimizer) -> None:
     """Give ``optimizer`` its own ``state_dict``/``load_state_dict`` back."""
     for name in _WRAPPED:
         optimizer.__dict__.pop(name, None)
+
+
+def _plain(value):
+    """A param-group value as something ``==`` compares by content (tensors as lists)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.tolist())
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def param_group_values(optimizer) -> tuple:
+    """Everything an optimizer rule reads from ``optimizer``: its kind, and each param group's
+    parameters and values. Equal values give equal hyper-parameters and the same rule match."""
+    return (type(optimizer),) + tuple(
+        (tuple((id(p), p.requires_grad) for p in group["params"]),
+         tuple((k, _plain(v)) for k, v in group.items() if k != "params"))
+        for group in optimizer.param_groups)

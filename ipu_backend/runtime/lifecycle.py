@@ -128,10 +128,12 @@ def first_micro_batch(args: tuple, schedule: Schedule) -> tuple:
         if x.shape[0] == 0 or x.numel() == 0:
             raise Error(f"inputs must have a non-empty batch dimension; got shape {tuple(x.shape)}")
         if x.shape[0] % schedule.factor:
+            replicas = (f"Options.replicationFactor({schedule.local_replicas})" if schedule.input_group_size == 1
+                        else f"(Options.replicationFactor({schedule.local_replicas}) / "
+                             f"Options.inputReplicaGrouping.input_group_size({schedule.input_group_size}))")
             raise Error(
                 f"Invalid batch dimension: the input's batch dimension ({x.shape[0]}) must be a "
-                f"multiple of Options.deviceIterations({schedule.device_iterations}) * "
-                f"Options.replicationFactor({schedule.local_replicas}) * "
+                f"multiple of Options.deviceIterations({schedule.device_iterations}) * {replicas} * "
                 f"Options.Training.gradientAccumulation({schedule.accumulation}) = "
                 f"{schedule.factor}; resize the batch (or use poptorch.DataLoader, which "
                 "builds combined batches of the right size)")
@@ -162,6 +164,7 @@ def _copy_back_inputs(result, args: tuple, indices: tuple):
 def schedule_for(settings: RunSettings, training: bool) -> Schedule:
     """How one host call of a model with these settings is split."""
     mode = settings.output_mode or ("final" if training else "all")
+    _check_input_groups(settings)
     return Schedule(
         device_iterations=settings.device_iterations,
         accumulation=settings.gradient_accumulation if training else 1,
@@ -172,7 +175,22 @@ def schedule_for(settings: RunSettings, training: bool) -> Schedule:
         output_period=settings.output_period,
         dynamic_loss_scaling=training and settings.auto_loss_scaling,
         stochastic_rounding=settings.stochastic_rounding,
-        master_weights=training and settings.master_weights)
+        master_weights=training and settings.master_weights,
+        input_group_size=settings.input_group_size,
+        input_groups_orthogonal=settings.input_groups_orthogonal)
+
+
+def _check_input_groups(settings: RunSettings) -> None:
+    """Input groups must divide the replicas, all in one process."""
+    size = settings.input_group_size
+    if size == 1:
+        return
+    if settings.replication_factor % size:
+        raise Error(f"Options.inputReplicaGrouping's input_group_size ({size}) must be a factor of "
+                    f"replication_factor ({settings.replication_factor}): change one of them")
+    if settings.processes > 1:
+        raise Error("Options.inputReplicaGrouping with several processes (Options.Distributed) is not "
+                    "emulated: groups of replicas sharing input data run in one process")
 
 
 class Executor:

@@ -14,6 +14,10 @@ the one source of both.
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from ipu_backend.runtime.replica_groups import group_of_replica
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -30,6 +34,8 @@ class Schedule:
     stochastic_rounding: bool = False
     master_weights: bool = False
     processes: int = 1
+    input_group_size: int = 1           # replicas sharing each share of the input data
+    input_groups_orthogonal: bool = False
 
     @property
     def local_replicas(self) -> int:
@@ -37,19 +43,30 @@ class Schedule:
         return self.replicas // self.processes
 
     @property
+    def input_shares(self) -> int:
+        """Distinct shares of the input in one micro-batch step: one per group of replicas."""
+        return self.local_replicas // self.input_group_size
+
+    @property
     def factor(self) -> int:
         """Micro-batches in one process's combined batch."""
-        return self.device_iterations * self.accumulation * self.local_replicas
+        return self.device_iterations * self.accumulation * self.input_shares
 
 
 def split_batch(array, schedule: Schedule):
-    """One process's combined batch ``[D·A·r·m, ...]`` → ``[D, A, r, m, ...]`` (``r``: its replicas);
-    a scalar (the input of a call of one micro-batch) → ``[1, 1, 1]``."""
+    """One process's combined batch ``[D·A·g·m, ...]`` → ``[D, A, r, m, ...]`` (``r``: its replicas,
+    ``g``: its input shares, one per group of replicas sharing the input); a scalar (the input of
+    a call of one micro-batch) → ``[1, 1, r]``."""
     if array.ndim == 0:
-        return array.reshape(1, 1, 1)
-    micro = array.shape[0] // schedule.factor
-    return array.reshape(schedule.device_iterations, schedule.accumulation, schedule.local_replicas,
-                         micro, *array.shape[1:])
+        split = array.reshape(1, 1, 1)
+    else:
+        micro = array.shape[0] // schedule.factor
+        split = array.reshape(schedule.device_iterations, schedule.accumulation, schedule.input_shares,
+                              micro, *array.shape[1:])
+    if schedule.input_shares == schedule.local_replicas:
+        return split
+    share = group_of_replica(schedule.local_replicas, schedule.input_group_size, schedule.input_groups_orthogonal)
+    return np.take(split, share, axis=2)
 
 
 def training_order(micro_batches: int, stages: int, pipelined: bool) -> list[tuple[str, int, int]]:

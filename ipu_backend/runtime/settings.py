@@ -85,6 +85,8 @@ class RunSettings:
     updatable_named_buffers: tuple[str, ...] = ()   # what copyNamedBuffersToDevice copies
     log_cycle_count: bool = False           # cycleCount answers
     show_compilation_progress: bool = True  # showCompilationProgressBar: the display; compilationTime answers
+    input_group_size: int = 1               # replicas sharing each share of the input (inputReplicaGrouping)
+    input_groups_orthogonal: bool = False   # input groups are CommGroupType.Orthogonal, else Consecutive
     key: str = ""
     """Every setting of the options that a compiled program depends on (the ones above and those
     without effect, but not the seed, the cache or the report directory), as text: programs

@@ -233,10 +233,23 @@ def iteration_keys(key, iterations: int):
     return jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(iterations))
 
 
+def replica_ids(local_replicas, devices: int):
+    """The indices of this device's ``local_replicas`` replicas among all replicas."""
+    first = 0 if devices == 1 else jax.lax.axis_index(REPLICA) * local_replicas
+    return first + jnp.arange(local_replicas)
+
+
 def replica_keys(key, local_replicas, devices: int):
     """The key of each of this device's ``local_replicas`` replicas, from the call's ``key``."""
-    first = 0 if devices == 1 else jax.lax.axis_index(REPLICA) * local_replicas
-    return jax.vmap(lambda i: jax.random.fold_in(key, first + i))(jnp.arange(local_replicas))
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(replica_ids(local_replicas, devices))
+
+
+def _with_views(forward: Callable, views: Callable | None) -> Callable:
+    """``forward`` of one replica, ``forward(params, buffers, inputs, key, replica)``: the weights
+    as that replica reads them (``views(params, replica)``, see ``runtime/replica_groups.py``)."""
+    if views is None:
+        return lambda params, buffers, inputs, key, replica: forward(params, buffers, inputs, key)
+    return lambda params, buffers, inputs, key, replica: forward(views(params, replica), buffers, inputs, key)
 
 
 def per_device(program: Callable, mesh, in_specs: tuple, out_specs: tuple) -> Callable:
@@ -322,7 +335,7 @@ def master_copy(params: dict) -> dict:
 
 
 def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, mesh,
-                  layout: OutputLayout, totals: dict | None = None) -> Callable:
+                  layout: OutputLayout, totals: dict | None = None, views: Callable | None = None) -> Callable:
     """``call(state, inputs, hyper, key, index) -> (state, outputs, logs)``, jitted over the mesh
     (``key`` and ``index``: see :func:`call_key`).
 
@@ -331,15 +344,17 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
     see :func:`initial_scaler`, or None); ``inputs`` the positional arguments, each array
     split by :func:`split_batch`; outputs are ``[r, D', A', ...]`` per device, gathered on the replica
     axis, and selected by the output mode. ``totals`` (logged name -> "sum" | "max" | "min") adds
-    those logs reduced over every micro-batch (see :func:`_totals`).
+    those logs reduced over every micro-batch (see :func:`_totals`); ``views`` gives each replica
+    its weights (see :func:`_with_views`).
     """
     local = schedule.replicas // mesh.size
+    replica_forward = _with_views(forward, views)
     scale_sum = 1 if not schedule.mean_reduction else schedule.accumulation * schedule.replicas
 
-    def micro_step(params, buffers, inputs, key, loss_scale):
+    def micro_step(params, buffers, inputs, key, replica, loss_scale):
         """Gradients for the parameters the optimizer updates (``rule.names``) only."""
         def scaled_loss(trained):
-            outputs, new_buffers, logs = forward({**params, **trained}, buffers, inputs, key)
+            outputs, new_buffers, logs = replica_forward({**params, **trained}, buffers, inputs, key, replica)
             arrays = layout.split(outputs)
             return arrays[loss_index] * loss_scale, (arrays, new_buffers, logs)
 
@@ -350,11 +365,13 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
     def replica_step(params, buffers, inputs, keys, loss_scale):
         """All local replicas on one micro-batch each, from the same weights: vmapped, or a plain
         call when a device holds one replica (XLA:CPU keeps its fast convolution layouts then)."""
+        replicas = replica_ids(local, mesh.size)
         if local == 1:
-            first = jax.tree.map(lambda x: x[0], (inputs, keys))
-            result = micro_step(params, buffers, first[0], first[1], loss_scale)
+            first = jax.tree.map(lambda x: x[0], (inputs, keys, replicas))
+            result = micro_step(params, buffers, *first, loss_scale)
             return jax.tree.map(lambda y: y[None], result)
-        return jax.vmap(micro_step, in_axes=(None, None, 0, 0, None))(params, buffers, inputs, keys, loss_scale)
+        return jax.vmap(micro_step, in_axes=(None, None, 0, 0, 0, None))(params, buffers, inputs, keys, replicas,
+                                                                         loss_scale)
 
     def iteration(carry, xs):
         params, buffers, opt_state, scaler, hyper = carry
@@ -393,22 +410,24 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
 
 
 def inference_call(forward: Callable, schedule: Schedule, mesh, layout: OutputLayout,
-                   totals: dict | None = None) -> Callable:
+                   totals: dict | None = None, views: Callable | None = None) -> Callable:
     """``call(state, inputs, key, index) -> (state, outputs, logs)``: D iterations of the forward on R
-    replicas (``totals`` as for :func:`training_call`)."""
+    replicas (``totals`` and ``views`` as for :func:`training_call`)."""
     local = schedule.replicas // mesh.size
+    one_replica = _with_views(forward, views)
 
     def device_program(state, inputs, key, index):
         params = state["params"]
 
-        def replica_forward(buffers, micro_inputs, replica_key):
-            outputs, new_buffers, logs = forward(params, buffers, micro_inputs, replica_key)
+        def replica_forward(buffers, micro_inputs, replica_key, replica):
+            outputs, new_buffers, logs = one_replica(params, buffers, micro_inputs, replica_key, replica)
             return (layout.split(outputs), logs), new_buffers
 
         def iteration(buffers, xs):
             micro_inputs, key = xs                       # micro_inputs: [1, r, m, ...]
-            arrays, new_buffers = jax.vmap(replica_forward, in_axes=(None, 0, 0))(
-                buffers, jax.tree.map(lambda x: x[0], micro_inputs), replica_keys(key, local, mesh.size))
+            arrays, new_buffers = jax.vmap(replica_forward, in_axes=(None, 0, 0, 0))(
+                buffers, jax.tree.map(lambda x: x[0], micro_inputs), replica_keys(key, local, mesh.size),
+                replica_ids(local, mesh.size))
             return from_replica_zero(new_buffers, local, mesh.size), jax.tree.map(lambda y: y[None], arrays)
 
         keys = iteration_keys(call_key(key, index), schedule.device_iterations)
