@@ -4,6 +4,7 @@ import contextlib
 import contextvars
 import functools
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,11 @@ from ipu_backend.compiler import (
 )
 from ipu_backend.compiler.sources import traceback_location, user_location
 from ipu_backend.errors import Error
+
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                        category=FutureWarning)
+"""torch's own copies of its tree specs (``run_decompositions`` deep-copies the module call graph;
+a cached program's output layout holds one) warn of a deprecation inside torch, on every compile."""
 
 
 @dataclass(frozen=True)

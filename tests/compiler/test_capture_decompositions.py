@@ -1,5 +1,9 @@
 """Our cheaper decomposition pass gives exactly the graph torch's public ``run_decompositions`` gives."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -55,3 +59,20 @@ def test_split_tables_equal_torchs():
     actual = capture._split_core_aten_decompositions()
     assert [set(part) for part in actual] == [set(part) for part in expected]
     assert capture._export_utils._materialize_cpp_cia_ops.__name__ == "_materialize_cpp_cia_ops"
+
+
+
+def test_a_capture_shows_no_deprecation_warning_from_inside_torch(tmp_path):
+    # A fresh process, with Python's default warning filters (the test run's own ignore this one).
+    script = (
+        "import torch, ipu_backend as poptorch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.linear = torch.nn.Linear(4, 4)\n"
+        "    def forward(self, x, y):\n"
+        "        out = self.linear(x); return out, torch.nn.functional.mse_loss(out, y)\n"
+        "poptorch.trainingModel(M())(torch.randn(2, 4), torch.randn(2, 4))\n")
+    env = {**os.environ, "IPU_BACKEND_CACHE_DIR": str(tmp_path), "PYTHONWARNINGS": ""}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "LeafSpec" not in done.stderr
