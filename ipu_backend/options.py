@@ -394,11 +394,9 @@ class Options(_OptionGroup):
 
     @_unless_frozen
     def enableSyntheticData(self, enabled: bool) -> Self:
-        """Only False is accepted: synthetic data (random inputs made on the device in place of
-        the host's) is not emulated."""
-        if _bool(enabled, "enabled"):
-            raise Error("Options.enableSyntheticData(True) is not emulated: it replaces the "
-                        "host's data with random data, which changes every result. Remove it.")
+        """Recorded as PopART's ``syntheticDataMode`` (random normal inputs made on the device in
+        place of the host's); a model run with it raises, as synthetic data is not emulated."""
+        self._Popart.set("syntheticDataMode", 2 if _bool(enabled, "enabled") else 0)
         return self
 
     @_unless_frozen
@@ -639,6 +637,7 @@ class Options(_OptionGroup):
             loop_repeated_layers=self.loop_repeated_layers,
             updatable_named_buffers=tuple(self.updatable_named_buffers), log_cycle_count=self.log_cycle_count,
             show_compilation_progress=self.show_compilation_progress_bar,
+            synthetic_data=bool(self._Popart.options.get("syntheticDataMode", 0)),
             input_group_size=self.input_group_size,
             input_groups_orthogonal=self.input_group_type is CommGroupType.Orthogonal,
             key=repr((_program_settings(self.toDict()), self.Distributed.numProcesses)))

@@ -8,6 +8,8 @@ import jsonargparse
 import pytest
 import torch
 
+import ipu_backend
+
 from ipu_backend import Error, PipelinedExecution, ShardedExecution
 from ipu_backend.enums import (
     CommGroupType,
@@ -280,8 +282,10 @@ def test_poptorch_checks_of_inert_settings():
 
 
 def test_settings_that_would_change_numerics_are_refused_by_name():
-    with pytest.raises(Error, match=r"enableSyntheticData\(True\) is not emulated"):
-        Options().enableSyntheticData(True)
+    synthetic = Options().enableSyntheticData(True)
+    assert synthetic._Popart.options["syntheticDataMode"] == 2 and repr(synthetic) != repr(Options())
+    with pytest.raises(Error, match=r"enableSyntheticData\(True\) \(PopART's syntheticDataMode\) is not emulated"):
+        ipu_backend.inferenceModel(torch.nn.Linear(2, 2), synthetic)
     opts = Options().replicationFactor(4)
     assert opts.enableSyntheticData(False).inputReplicaGrouping(
         4, CommGroupType.NoGrouping).inputReplicaGrouping(1, CommGroupType.Consecutive) == opts

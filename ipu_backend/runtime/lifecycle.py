@@ -280,6 +280,10 @@ class Executor:
         if not self._settings.broadcast_buffers:
             raise Error("Options.broadcastBuffers(False) (per-replica buffers) is not emulated: "
                         "replicas start each step from replica 0's buffers; leave it True")
+        if self._settings.synthetic_data:
+            raise Error("Options.enableSyntheticData(True) (PopART's syntheticDataMode) is not emulated: "
+                        "it replaces the host's data with random data, which changes every result. "
+                        "Remove it to run on the data given")
 
     def _check_processes(self) -> None:
         """Several processes (``Options.Distributed``) must be the ones JAX connects."""
