@@ -41,22 +41,10 @@ from ipu_backend.runtime.random_state import restore_random_state
 from ipu_backend.runtime.recording import SINGLE_IPU
 from ipu_backend.runtime.schedule import Schedule
 from ipu_backend.runtime.stages import has_blocks
-from ipu_backend.runtime.step import OutputLayout, inference_call, initial_scaler, master_copy, training_call
+from ipu_backend.runtime.replica_buffers import ReplicaBuffers
+from ipu_backend.runtime.step import OutputLayout, forward_with_constants, inference_call, initial_scaler
+from ipu_backend.runtime.step import master_copy, training_call
 from ipu_backend.runtime.xla_compile import compile_lowered, executables_from
-
-def _forward_with_constants(program, args: tuple):
-    """The program as ``forward(params, buffers, tensor_leaves, key)``: non-tensor arguments
-    (baked into the compiled program, and part of its cache key) are put back in place."""
-    leaves, spec = torch_pytree.tree_flatten(args)
-    is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
-
-    def forward(params, buffers, arrays, key):
-        arrays = iter(arrays)
-        merged = [next(arrays) if t else x for t, x in zip(is_tensor, leaves)]
-        return program.logged_fn(params, buffers, torch_pytree.tree_unflatten(merged, spec), key)
-
-    return forward
-
 
 class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
     """What ``trainingModel``/``inferenceModel`` return: call it like the model."""
@@ -82,6 +70,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         self._attached = True
         self._destroyed = False
         self._weight_groupings = {}
+        self._replica_buffers = ReplicaBuffers()
         """Parameter name -> its ``replicaGrouping`` (``runtime/replica_groups.py``)."""
         if training:
             host_optimizer.watch(optimizer, self, PoplarExecutor._optimizer_states_to_host,
@@ -346,6 +335,10 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         if self._training:
             self._opt_state, self._scaler = state["opt"], state["scaler"]
         self._resident = None if compiled.multi_ipu else state
+        if self._schedule().per_replica_buffers and not compiled.multi_ipu:
+            rows = state["buffers"]
+            state["buffers"] = self._replica_buffers.kept(rows)      # the store keeps replica 0's
+            self._resident = {**state, "buffers": rows}
         if self._offloads_optimizer_state(compiled):
             host_memory = NamedSharding(self._mesh(), P(), memory_kind="pinned_host")
             self._opt_state = jax.device_put(self._opt_state, host_memory)
@@ -427,13 +420,17 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         index = np.uint32(self._next_call_index() if advance else 0)
         self._start(compiled.packing)
         params, buffers = self._store.device_state(compiled.packing)
+        if schedule.per_replica_buffers and not compiled.multi_ipu:
+            buffers = self._replica_buffers.for_call(buffers, schedule.replicas, mesh)
         state = {"params": params, "buffers": buffers}
         if self._training:
             hyper = self._hyperparameters(compiled.rule, mesh, groups)
             state.update(opt=self._optimizer_state(compiled.rule, params),
                          scaler=self._scaler_state(compiled.rule, hyper))
         if mesh is not None and not self._is_resident(state):
+            rows = state.pop("buffers") if schedule.per_replica_buffers else None   # already sharded
             state = processes.replicated(state, mesh, first_process=True)
+            state.update({} if rows is None else {"buffers": rows})
         return (state, inputs, hyper, key, index) if self._training else (state, inputs, key, index)
 
     def _offloads_optimizer_state(self, compiled: CompiledStep) -> bool:
@@ -505,7 +502,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         compiled, its stage programs through the executable cache under ``shared_key``)."""
         layout = OutputLayout()
         mesh = self._mesh()
-        forward = _forward_with_constants(program, micro)
+        forward = forward_with_constants(program, micro)
         dtypes = [n.meta["val"].dtype for n in program.result_arrays()]
         if program.mutated_inputs:
             if schedule.factor != 1:
@@ -521,9 +518,10 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             raise Error("a model split over IPUs (BeginBlock, Block, Stage) runs in one process: several "
                         "processes (Options.Distributed) replicate single-IPU models only")
         views = replica_groups.replica_views(self._replica_rows())
-        if has_blocks(program.graph_module) and views is not None:
+        if has_blocks(program.graph_module) and (views is not None or schedule.per_replica_buffers):
             raise Error("a model split over IPUs (BeginBlock, Block, Stage) cannot group weights over "
-                        "replicas (replicaGrouping): it runs on single-IPU models")
+                        "replicas (replicaGrouping) or keep per-replica buffers (broadcastBuffers(False)): "
+                        "they run on single-IPU models")
         if has_blocks(program.graph_module) and program.variants:
             raise Error("a model split over IPUs (BeginBlock, Block, Stage) cannot branch in Python on "
                         f"batch_idx, current_epoch or global_step (at {program.guards[0].location}): "

@@ -165,6 +165,9 @@ def schedule_for(settings: RunSettings, training: bool) -> Schedule:
     """How one host call of a model with these settings is split."""
     mode = settings.output_mode or ("final" if training else "all")
     _check_input_groups(settings)
+    if not settings.broadcast_buffers and settings.processes > 1:
+        raise Error("Options.broadcastBuffers(False) with several processes (Options.Distributed) is not "
+                    "emulated: per-replica buffers are kept in one process")
     return Schedule(
         device_iterations=settings.device_iterations,
         accumulation=settings.gradient_accumulation if training else 1,
@@ -177,7 +180,8 @@ def schedule_for(settings: RunSettings, training: bool) -> Schedule:
         stochastic_rounding=settings.stochastic_rounding,
         master_weights=training and settings.master_weights,
         input_group_size=settings.input_group_size,
-        input_groups_orthogonal=settings.input_groups_orthogonal)
+        input_groups_orthogonal=settings.input_groups_orthogonal,
+        per_replica_buffers=not settings.broadcast_buffers)
 
 
 def _check_input_groups(settings: RunSettings) -> None:
@@ -277,9 +281,6 @@ class Executor:
     # --- for each kind ---------------------------------------------------------------------
     def _check_settings(self) -> None:
         """Refuse settings this kind cannot honour (before anything else is set up)."""
-        if not self._settings.broadcast_buffers:
-            raise Error("Options.broadcastBuffers(False) (per-replica buffers) is not emulated: "
-                        "replicas start each step from replica 0's buffers; leave it True")
         if self._settings.synthetic_data:
             raise Error("Options.enableSyntheticData(True) (PopART's syntheticDataMode) is not emulated: "
                         "it replaces the host's data with random data, which changes every result. "

@@ -223,6 +223,9 @@ class ManualStepExecutor(Executor):
         if self._settings.gradient_accumulation != 1:
             raise Error("gradient accumulation is not available with manual optimization: accumulate "
                         "in the training step (several manual_backward calls before a step)")
+        if not self._settings.broadcast_buffers:
+            raise Error("Options.broadcastBuffers(False) (per-replica buffers) is not emulated with manual "
+                        "optimization: replicas start each step from replica 0's buffers; leave it True")
 
     def __call__(self, *args):
         with self._store.lock, self._compilation():

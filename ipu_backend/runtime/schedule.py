@@ -36,6 +36,7 @@ class Schedule:
     processes: int = 1
     input_group_size: int = 1           # replicas sharing each share of the input data
     input_groups_orthogonal: bool = False
+    per_replica_buffers: bool = False   # broadcastBuffers(False): each replica keeps its own buffers
 
     @property
     def local_replicas(self) -> int:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import jax
 import jax.extend as jex
 import jax.numpy as jnp
+import torch
 import torch.utils._pytree as torch_pytree
 from jax.sharding import PartitionSpec as P
 
@@ -195,6 +196,20 @@ _ARRAY = object()
 """Marks an array leaf in ``OutputLayout.static`` (None is a leaf value of its own)."""
 
 
+def forward_with_constants(program, args: tuple):
+    """The program as ``forward(params, buffers, tensor_leaves, key)``: non-tensor arguments
+    (baked into the compiled program, and part of its cache key) are put back in place."""
+    leaves, spec = torch_pytree.tree_flatten(args)
+    is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+
+    def forward(params, buffers, arrays, key):
+        arrays = iter(arrays)
+        merged = [next(arrays) if t else x for t, x in zip(is_tensor, leaves)]
+        return program.logged_fn(params, buffers, torch_pytree.tree_unflatten(merged, spec), key)
+
+    return forward
+
+
 class OutputLayout:
     """Records, while tracing, which output leaves are arrays so the host can rebuild the rest."""
 
@@ -278,6 +293,28 @@ def from_replica_zero(tree, local_replicas, devices: int):
     """Replica 0's value (the first of this device's ``local_replicas``) on every device."""
     first = jax.tree.map(lambda x: x[0], tree)
     return first if devices == 1 else replica_zero_everywhere(first)
+
+
+def next_buffers(new_buffers, schedule: Schedule, local_replicas, devices: int):
+    """The buffers every replica starts its next micro-batch from: replica 0's (PopTorch's
+    ``broadcastBuffers``, the default), or each replica's own (``[r, ...]``) without broadcast."""
+    if schedule.per_replica_buffers:
+        return new_buffers
+    return from_replica_zero(new_buffers, local_replicas, devices)
+
+
+def _buffers_axis(schedule: Schedule):
+    """How the replicas of a device read the buffers: all the same (None), or each its own row."""
+    return 0 if schedule.per_replica_buffers else None
+
+
+def _state_spec(schedule: Schedule, training: bool):
+    """The state's sharding over the replica mesh: replicated, but per-replica buffers, whose rows
+    are the replicas'."""
+    if not schedule.per_replica_buffers:
+        return P()
+    spec = {"params": P(), "buffers": P(REPLICA)}
+    return {**spec, "opt": P(), "scaler": P()} if training else spec
 
 
 SCALER_GROWTH_INTERVAL = 2000
@@ -368,10 +405,11 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
         replicas = replica_ids(local, mesh.size)
         if local == 1:
             first = jax.tree.map(lambda x: x[0], (inputs, keys, replicas))
-            result = micro_step(params, buffers, *first, loss_scale)
+            own = jax.tree.map(lambda x: x[0], buffers) if schedule.per_replica_buffers else buffers
+            result = micro_step(params, own, *first, loss_scale)
             return jax.tree.map(lambda y: y[None], result)
-        return jax.vmap(micro_step, in_axes=(None, None, 0, 0, 0, None))(params, buffers, inputs, keys, replicas,
-                                                                         loss_scale)
+        return jax.vmap(micro_step, in_axes=(None, _buffers_axis(schedule), 0, 0, 0, None))(
+            params, buffers, inputs, keys, replicas, loss_scale)
 
     def iteration(carry, xs):
         params, buffers, opt_state, scaler, hyper = carry
@@ -384,7 +422,7 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
             keys = replica_keys(jax.random.fold_in(key, index), local, mesh.size)
             grads, (arrays, new_buffers, logs) = replica_step(params, buffers, micro_inputs, keys, loss_scale)
             grads_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype).sum(0), grads_sum, grads)
-            return (grads_sum, from_replica_zero(new_buffers, local, mesh.size)), (arrays, logs)
+            return (grads_sum, next_buffers(new_buffers, schedule, local, mesh.size)), (arrays, logs)
 
         zeros = {name: jnp.zeros(params[name].shape, rule.accum_dtype) for name in rule.names}
         indices = jnp.arange(schedule.accumulation)
@@ -404,8 +442,9 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
             iteration, carry, (inputs, keys), schedule, totals or {})
         return {"params": params, "buffers": buffers, "opt": opt_state, "scaler": scaler}, arrays, logs
 
-    sharded = per_device(device_program, mesh, in_specs=(P(), P(None, None, REPLICA), P(), P(), P()),
-                         out_specs=(P(), P(REPLICA), P(REPLICA)))
+    state_spec = _state_spec(schedule, training=True)
+    sharded = per_device(device_program, mesh, in_specs=(state_spec, P(None, None, REPLICA), P(), P(), P()),
+                         out_specs=(state_spec, P(REPLICA), P(REPLICA)))
     return jax.jit(sharded, donate_argnums=(0,))
 
 
@@ -425,16 +464,17 @@ def inference_call(forward: Callable, schedule: Schedule, mesh, layout: OutputLa
 
         def iteration(buffers, xs):
             micro_inputs, key = xs                       # micro_inputs: [1, r, m, ...]
-            arrays, new_buffers = jax.vmap(replica_forward, in_axes=(None, 0, 0, 0))(
+            arrays, new_buffers = jax.vmap(replica_forward, in_axes=(_buffers_axis(schedule), 0, 0, 0))(
                 buffers, jax.tree.map(lambda x: x[0], micro_inputs), replica_keys(key, local, mesh.size),
                 replica_ids(local, mesh.size))
-            return from_replica_zero(new_buffers, local, mesh.size), jax.tree.map(lambda y: y[None], arrays)
+            return next_buffers(new_buffers, schedule, local, mesh.size), jax.tree.map(lambda y: y[None], arrays)
 
         keys = iteration_keys(call_key(key, index), schedule.device_iterations)
         buffers, (arrays, logs) = device_loop(iteration, state["buffers"], (inputs, keys), schedule,
                                               totals or {})
         return {"params": params, "buffers": buffers}, arrays, logs
 
-    sharded = per_device(device_program, mesh, in_specs=(P(), P(None, None, REPLICA), P(), P()),
-                         out_specs=(P(), P(REPLICA), P(REPLICA)))
+    state_spec = _state_spec(schedule, training=False)
+    sharded = per_device(device_program, mesh, in_specs=(state_spec, P(None, None, REPLICA), P(), P()),
+                         out_specs=(state_spec, P(REPLICA), P(REPLICA)))
     return jax.jit(sharded)
