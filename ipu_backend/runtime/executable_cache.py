@@ -12,7 +12,7 @@ see :mod:`~ipu_backend.runtime.program_cache`) and of what compiled it: this pac
 the torch, JAX, jaxlib and Python versions, the backend, its device kind and count, and the XLA
 flags. A program whose key has no stable description is not cached. An entry holds the XLA
 executable, its argument and result structures and the program's output layout (a stage program
-of a model split over IPUs: its devices; its key adds the digest of its lowered text); it is read
+of a model split over IPUs: its devices; its key adds the fingerprint of its lowered program); it is read
 only by this package, from the user's own directory (it is a pickle, as JAX's cache entries are).
 
 The directory is bounded (``$IPU_BACKEND_CACHE_SIZE_MB``, 1024 MiB unless set): after each
@@ -201,8 +201,8 @@ class ExecutableCache:
 
 class StagePrograms:
     """An executable source (``xla_compile.executables_from``) for the programs of a model split
-    over IPUs: each is looked up in ``cache`` under the model's program key and the digest of its
-    own lowered text (so an entry stands in only for the very program it was compiled from), on
+    over IPUs: each is looked up in ``cache`` under the model's program key and the fingerprint of
+    its own lowered program (so an entry stands in only for the very program it was compiled from), on
     the devices it was compiled for; one not found is compiled and stored."""
 
     def __init__(self, cache: ExecutableCache, program_key: str):

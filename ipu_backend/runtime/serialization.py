@@ -68,8 +68,9 @@ def deserialized(payload: bytes, in_tree, out_tree, devices: list):
 
 
 def fingerprint(lowered) -> str:
-    """What identifies a program: a hash of its lowered text."""
-    return hashlib.sha256(lowered.as_text().encode()).hexdigest()
+    """What identifies a program: a hash of its lowered text and of its argument and result
+    structures (two stages' programs may lower to one text, their parameters named apart)."""
+    return hashlib.sha256(f"{lowered.as_text()} {lowered.in_tree} {lowered.out_tree}".encode()).hexdigest()
 
 
 def device_ids(executable) -> list[int]:

@@ -140,6 +140,40 @@ def test_a_new_process_loads_the_stage_programs_of_a_split_model(new_process, mo
         torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=name)
 
 
+class EqualStages(torch.nn.Module):
+    """Two stages whose gradient-norm programs lower to the same text, on other IPUs and with
+    other parameter names."""
+
+    def __init__(self):
+        super().__init__()
+        self.w0 = poptorch.BeginBlock(torch.nn.Linear(3, 3), "w0", ipu_id=0)
+        self.w1 = poptorch.BeginBlock(torch.nn.Linear(3, 3), "w1", ipu_id=1)
+
+    def forward(self, x, y):
+        out = self.w1(self.w0(x))
+        return out, F.mse_loss(out, y)
+
+
+def test_equal_stage_programs_of_one_model_are_each_their_own_entry(new_process, tmp_path):
+    opts = poptorch.Options().enableExecutableCaching(str(tmp_path))
+    opts.Training.gradientAccumulation(3)
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(3, 3, generator=generator), torch.randn(3, 3, generator=generator)
+    torch.manual_seed(0)
+    net = EqualStages()
+    reference = copy.deepcopy(net)
+    model = poptorch.trainingModel(net, opts, optimizer=poptorch.optim.SGD(net.parameters(), lr=0.1,
+                                                                            max_grad_norm=0.01))
+    model(x, y)
+    model.copyWeightsToHost()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference(x, y)[1].backward()           # three micro-batches of one row: their mean is the batch's
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
+    optimizer.step()
+    for (name, p), (_, q) in zip(net.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=name)
+
+
 def files(directory) -> set[str]:
     """Every file under ``directory``, whatever wrote it."""
     return {str(path.relative_to(directory)) for path in directory.rglob("*") if path.is_file()}
