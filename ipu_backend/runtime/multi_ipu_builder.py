@@ -34,10 +34,10 @@ def check_ipu_count(num_ipus: int, auto_round: bool) -> int:
         return num_ipus
     common = ", because PopTorch must reserve a power of 2 or maximum of 64 IPUs per process"
     if not auto_round:
-        raise Error(f"The model specifies the use of {num_ipus} IPUs, however PopTorch must reserve a "
-                    f"minimum of {rounded} in order to allow the model to run{common}. Please "
-                    "reconfigure your model to use a different number of IPUs or set "
-                    "poptorch.Options().autoRoundNumIPUs(True).")
+        raise Error(f"cannot reserve the IPUs: The model specifies the use of {num_ipus} IPUs, however "
+                    f"PopTorch must reserve a minimum of {rounded} in order to allow the model to "
+                    f"run{common}. Please reconfigure your model to use a different number of IPUs "
+                    "or set poptorch.Options().autoRoundNumIPUs(True).")
     warnings.warn(f"Reserving {rounded} IPUs when the model specifies the use of only {num_ipus}"
                   f"{common}. {rounded - num_ipus} will be reserved but not used.", stacklevel=4)
     return rounded
@@ -104,8 +104,8 @@ def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, set
         return None
     pipelined = staging.pipelined
     check_metric_states(program, schedule)
+    check_ipu_count(part.num_ipus * schedule.replicas, settings.auto_round_num_ipus)   # first, as PopTorch
     _check_stage_counts(part, schedule, training, pipelined)
-    check_ipu_count(part.num_ipus * schedule.replicas, settings.auto_round_num_ipus)
     devices = ipu_devices(part.num_ipus, schedule.replicas)
     multi = MultiIpuSettings(training=training, pipelined=pipelined, schedule=schedule, loss_index=loss_index,
                              recompute=settings.recomputation if training else 0,

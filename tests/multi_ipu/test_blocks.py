@@ -233,6 +233,9 @@ def test_ipu_count_must_be_a_power_of_two_unless_rounded():
     opts = poptorch.Options().deviceIterations(3)
     with pytest.raises(poptorch.Error, match="specifies the use of 3 IPUs, however PopTorch must reserve a minimum of 4"):
         poptorch.inferenceModel(ThreeIpus(), opts).compile(torch.randn(3, 4))
+    # Checked before the pipeline's device iterations, its sentence after a cause (PopTorch's regex).
+    with pytest.raises(poptorch.Error, match=".+The model specifies the use of 3 IPUs, however PopTorch must"):
+        poptorch.inferenceModel(ThreeIpus(), poptorch.Options())(torch.randn(1, 4))
     model = ThreeIpus()
     with pytest.warns(UserWarning, match="Reserving 4 IPUs when the model specifies the use of only 3"):
         out = poptorch.inferenceModel(model, opts.clone().autoRoundNumIPUs(True))(x := torch.randn(3, 4))
