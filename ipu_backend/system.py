@@ -1,14 +1,36 @@
 """PopTorch's questions about the machine and its logging. The emulated IPUs stand for the
 hardware (one per JAX device, Mk2 by default): scripts that choose a path by what hardware is
 present take the hardware's. ``setLogLevel`` sets the level of this package's ``ipu_backend``
-logger."""
+logger, whose warnings go to the console (stderr) as PopTorch's do, whatever handlers the root
+logger has (a test runner's log capture among them)."""
 
 import logging
+import sys
 
 import jax
 
 _LOG_LEVELS = {"TRACE": (0, logging.DEBUG), "DEBUG": (1, logging.DEBUG), "INFO": (2, logging.INFO),
                "WARN": (3, logging.WARNING), "ERR": (4, logging.ERROR), "OFF": (6, logging.CRITICAL + 1)}
+
+
+class _Console(logging.StreamHandler):
+    """Warnings and errors to the ``sys.stderr`` of the moment (a redirection sees them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.setLevel(logging.WARNING)
+        self.setFormatter(logging.Formatter("[%(name)s] [%(levelname)s] %(message)s"))
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        """``sys.stderr`` is looked up at each message, never kept."""
+
+
+logging.getLogger("ipu_backend").addHandler(_Console())
 
 
 def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:  # noqa: N802

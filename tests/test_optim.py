@@ -517,6 +517,26 @@ def test_unsupported_optimizers_and_parameters():
         optimizer_rule(split, names | {id(extra): "extra"})
 
 
+@pytest.mark.parametrize("base", [torch.optim.SGD, torch.optim.Adam, optim.AdamW, optim.RMSprop, optim.LAMB])
+def test_a_subclassed_optimizer_is_noticed_on_stderr(capfd, base):
+    """PopTorch logs that it does not run a subclass's Python code (on the console, whatever
+    handlers the root logger has: pytest's log capture is one); the plain classes are not noticed."""
+    import ipu_backend as poptorch
+
+    class Subclassed(base):
+        pass
+
+    model = torch.nn.Linear(3, 2)
+    poptorch.trainingModel(model, optimizer=base(model.parameters(), lr=0.01))
+    assert "Python optimizer code" not in capfd.readouterr().err
+    executor = poptorch.trainingModel(model, optimizer=Subclassed(model.parameters(), lr=0.01))
+    err = capfd.readouterr().err
+    assert "Optimizer `Subclassed` is a subclass of" in err and \
+        "Poptorch does not run Python optimizer code directly" in err, err
+    executor.setOptimizer(Subclassed(model.parameters(), lr=0.02))
+    assert "Poptorch does not run Python optimizer code directly" in capfd.readouterr().err
+
+
 def test_variable_attrs_mark_the_given_arguments_as_poptorch():
     params = [torch.nn.Parameter(torch.ones(2))]
     sgd = optim.SGD(params, lr=0.1, momentum=0.9)

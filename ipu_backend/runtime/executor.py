@@ -34,7 +34,7 @@ from ipu_backend.runtime.module_repr import module_repr
 from ipu_backend.runtime.multi_ipu import MultiIpuProgram
 from ipu_backend.runtime.multi_ipu_builder import build, check_ipu_count
 from ipu_backend.runtime.algorithms import optimizer_rule
-from ipu_backend.runtime.optimizers import needs_running_mean
+from ipu_backend.runtime.optimizers import needs_running_mean, notice_subclass
 from ipu_backend.runtime.outputs import check_index_inputs, host_inputs, inputs_to_device
 from ipu_backend.runtime.packing import Packing, stacks_for_optimizer
 from ipu_backend.runtime.random_state import restore_random_state
@@ -45,6 +45,7 @@ from ipu_backend.runtime.replica_buffers import ReplicaBuffers
 from ipu_backend.runtime.step import OutputLayout, forward_with_constants, inference_call, initial_scaler
 from ipu_backend.runtime.step import master_copy, training_call
 from ipu_backend.runtime.xla_compile import compile_lowered, executables_from
+
 
 class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
     """What ``trainingModel``/``inferenceModel`` return: call it like the model."""
@@ -267,6 +268,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         if optimizer is not old:
             self._optimizer_states_to_host()
             host_optimizer.release(old)
+            notice_subclass(optimizer)
             host_optimizer.watch(optimizer, self, PoplarExecutor._optimizer_states_to_host,
                                  PoplarExecutor._optimizer_state_loaded)
         self._optimizer = optimizer

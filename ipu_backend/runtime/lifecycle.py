@@ -34,6 +34,7 @@ from ipu_backend.runtime import (
     program_cache,
 )
 from ipu_backend.runtime.devices import replica_mesh
+from ipu_backend.runtime.optimizers import notice_subclass
 from ipu_backend.runtime.outputs import output_to_host
 from ipu_backend.runtime.packing import Packing
 from ipu_backend.runtime.random_state import seed_key
@@ -208,6 +209,8 @@ class Executor:
 
     def __init__(self, model: torch.nn.Module, options, training: bool, step_method: str | None, recorder,
                  optimizer=None):
+        if optimizer is not None:
+            notice_subclass(optimizer)
         self._options = options.for_model(optimizer, training)
         self._settings: RunSettings = self._options.runtime_settings()
         self._user_model = model

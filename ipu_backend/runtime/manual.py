@@ -68,6 +68,7 @@ from ipu_backend.runtime.devices import REPLICA
 from ipu_backend.runtime.compile_progress import CAPTURE, phase
 from ipu_backend.runtime.lifecycle import CompiledStep, Executor, first_micro_batch, input_signature, optimizer_state
 from ipu_backend.runtime.multi_ipu_builder import check_ipu_count
+from ipu_backend.runtime.optimizers import notice_subclass
 from ipu_backend.runtime.module_modes import capture_modes
 from ipu_backend.runtime.algorithms import optimizer_rule
 from ipu_backend.runtime.outputs import inputs_to_device
@@ -208,6 +209,8 @@ class ManualStepExecutor(Executor):
                  recorder=None):
         super().__init__(model, options, True, step_method, recorder)
         self._optimizers = list(optimizers)
+        for optimizer in self._optimizers:
+            notice_subclass(optimizer)
         self._groups = optimizer_groups(model, self._optimizers)
         self._intercept = intercept
         self._step_schedulers = step_schedulers

@@ -26,6 +26,7 @@ float64. Hyper-parameters entering as ``1 - x`` are passed as complements comput
 """
 
 import inspect
+import logging
 import math
 from collections.abc import Mapping
 
@@ -36,6 +37,8 @@ import torch
 
 from ipu_backend.errors import Error
 from ipu_backend.runtime.clipping import clip_by_global_norm
+
+logger = logging.getLogger("ipu_backend")
 
 OPTION_DEFAULTS = {
     "loss_scaling": 1.0,
@@ -397,3 +400,17 @@ def algorithm_of(optimizer: torch.optim.Optimizer) -> str:
     raise Error(f"optimizer {type(optimizer).__module__}.{type(optimizer).__qualname__} is not "
                 "supported; use SGD, Adam, AdamW or RMSprop (torch.optim or poptorch.optim) or "
                 "poptorch.optim.LAMB")
+
+
+def notice_subclass(optimizer: torch.optim.Optimizer) -> None:
+    """Warn, as PopTorch does, when ``optimizer`` is a subclass of a supported optimizer: the
+    compiled step runs its base's update rule, never the subclass's Python code."""
+    cls = type(optimizer)
+    base = next((base for base, _ in _ALGORITHMS if isinstance(optimizer, base)), None)
+    if base is None or any(cls is known for known, _ in _ALGORITHMS):
+        return
+    logger.warning("Optimizer `%s` is a subclass of %s.%s: Poptorch does not run Python optimizer code "
+                   "directly. The compiled training step applies the update rule of %s with the "
+                   "optimizer's param_groups and attributes; Python methods the subclass adds or "
+                   "overrides do not run there (an overridden step() is refused when compiling).",
+                   cls.__name__, base.__module__, base.__qualname__, base.__qualname__)
