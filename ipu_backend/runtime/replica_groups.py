@@ -82,6 +82,17 @@ class GroupableParameter:
         return func(*torch_pytree.tree_map(unwrap, args), **torch_pytree.tree_map(unwrap, kwargs or {}))
 
 
+def _forwarded(name: str):
+    """The parameter's own ``name`` operator (Python looks operators up on the class)."""
+    return lambda self, *args: getattr(self._parameter, name)(*args)
+
+
+for _operator in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "matmul", "rmatmul",
+                  "pow", "neg", "eq", "ne", "lt", "le", "gt", "ge", "getitem", "setitem", "len", "iter",
+                  "bool", "float", "int", "array", "format"):
+    setattr(GroupableParameter, f"__{_operator}__", _forwarded(f"__{_operator}__"))
+
+
 def replica_rows(groupings: dict, model: torch.nn.Module, replicas: int) -> dict:
     """Each grouped weight's row for each replica (name -> int array ``[replicas]``), checked
     against the weight's shape."""

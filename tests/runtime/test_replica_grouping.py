@@ -135,6 +135,7 @@ def test_a_parameter_read_through_the_wrapper_is_the_parameter():
     model = Project(w)
     training = poptorch.trainingModel(model)
     assert training.W.shape == (6, 8) and torch.equal(torch.mul(training.W, 1), w)
+    assert torch.equal(training.W * 2, w * 2) and torch.equal(training.W[0], w[0]) and len(training.W) == 6
 
 
 def test_a_model_split_over_ipus_cannot_group_weights():
