@@ -4,6 +4,7 @@ import contextlib
 import contextvars
 import functools
 import os
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -323,9 +324,30 @@ def decompose_to_core_aten(exported: torch.export.ExportedProgram) -> torch.expo
     if _ATTENTION in called and _ATTENTION in cia_table:
         cia_to_decomp[_ATTENTION] = functools.partial(_attention_whole_or_decomposed,
                                                       decomposition=cia_table[_ATTENTION])
-    return _exported_program._decompose_exported_program(
-        exported, cia_to_decomp=cia_to_decomp, python_decomp_table=dict(python_table),
-        joint_loss_index=None, decompose_custom_triton_ops=False)
+    with _signature_lookups_once():
+        return _exported_program._decompose_exported_program(
+            exported, cia_to_decomp=cia_to_decomp, python_decomp_table=dict(python_table),
+            joint_loss_index=None, decompose_custom_triton_ops=False)
+
+
+@contextlib.contextmanager
+def _signature_lookups_once():
+    """Within the block, torch's copying of parameter and buffer metadata onto the decomposed
+    graph reads the signature's input-to-parameter and input-to-buffer tables once, not once
+    per placeholder: each read rebuilds the table from every input, so the copy grew with the
+    square of the weight count (a model of many layers has hundreds of weights)."""
+    populate = _exported_program._populate_param_buffer_metadata_to_new_gm
+
+    def populate_with_tables(metadata, graph_module, signature):
+        tables = types.SimpleNamespace(inputs_to_parameters=dict(signature.inputs_to_parameters),
+                                       inputs_to_buffers=dict(signature.inputs_to_buffers))
+        return populate(metadata, graph_module, tables)
+
+    _exported_program._populate_param_buffer_metadata_to_new_gm = populate_with_tables
+    try:
+        yield
+    finally:
+        _exported_program._populate_param_buffer_metadata_to_new_gm = populate
 
 
 _ATTENTION = torch.ops.aten.scaled_dot_product_attention.default

@@ -1,6 +1,7 @@
 """Our cheaper decomposition pass gives exactly the graph torch's public ``run_decompositions`` gives."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -48,6 +49,30 @@ def _graphs(exported):
     """The graph and its nested graphs, as text without source comments."""
     return [str(module.graph) for module in exported.graph_module.modules()
             if isinstance(module, torch.fx.GraphModule)]
+
+
+def test_weight_placeholders_carry_the_metadata_torchs_run_decompositions_gives():
+    """The parameter and buffer tables read once give every weight placeholder the metadata
+    torch copies onto it, and torch's own copying is back in place afterwards."""
+    make_model, make_args = MODELS["cnn_upsample"]
+    model, args = make_model(), make_args()
+    table = dict(torch.export.default_decompositions().items())
+    table.pop(torch.ops.aten.detach.default)
+    expected = torch.export.export(model, args, strict=False).run_decompositions(decomp_table=table)
+    actual = capture.decompose_to_core_aten(torch.export.export(model, args, strict=False))
+    assert _placeholder_metadata(actual) == _placeholder_metadata(expected)
+    assert len(_placeholder_metadata(actual)) == len(list(model.parameters())) + len(list(model.buffers())) + 1
+    populate = torch.export.exported_program._populate_param_buffer_metadata_to_new_gm
+    assert populate is capture._export_utils._populate_param_buffer_metadata_to_new_gm
+
+
+def _placeholder_metadata(exported):
+    """Per placeholder, its metadata as comparable text (fake values by shape and dtype, graphs
+    of origin by name, not by object id)."""
+    return {node.name: sorted((key, (tuple(value.shape), value.dtype) if key == "val"
+                               else re.sub(r"graph_id=\d+", "", repr(value)))
+                              for key, value in node.meta.items())
+            for node in exported.graph.nodes if node.op == "placeholder"}
 
 
 def test_split_tables_equal_torchs():
