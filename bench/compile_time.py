@@ -22,7 +22,8 @@ backward, optimizer step) less a steady step, cold (empty ``TORCHINDUCTOR_CACHE_
 Writes bench/results/compile_time.json and prints a table. Run by hand:
 ``python bench/compile_time.py [--only seed_cnn,gpt4,gpt24] [--no-torch-compile]``;
 ``--profile`` instead profiles the 4-block GPT's first call (cProfile, top functions printed,
-the profile written next to the results).
+the profile written next to the results); ``--profile --warm`` profiles it in a second process,
+after a first one filled a fresh executable cache (the warm start), and ``--only`` picks the model.
 """
 
 import argparse
@@ -221,17 +222,25 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def profile_gpt4() -> None:
-    import ipu_backend as poptorch
-    model, inputs = model_and_inputs("gpt4")
-    executor = poptorch.trainingModel(model, poptorch.Options(),
-                                      optimizer=poptorch.optim.AdamW(model.parameters(), lr=1e-3))
+def profile(name: str, warm: bool) -> None:
+    """cProfile of ``name``'s first call in this process, on a fresh executable cache or, ``warm``,
+    on one a first process filled."""
+    with tempfile.TemporaryDirectory(prefix="compile_time_") as cache_dir:
+        if warm:
+            cold = run_child({"kind": "ipu", "model": name, "loop": True, "cache_dir": cache_dir})
+            if "error" in cold:
+                raise SystemExit(f"the cold run failed: {cold['error']}")
+        import ipu_backend as poptorch
+        model, inputs = model_and_inputs(name)
+        options = poptorch.Options().enableExecutableCaching(cache_dir)
+        executor = poptorch.trainingModel(model, options, optimizer=poptorch.optim.AdamW(model.parameters(), lr=1e-3))
+        profiler = cProfile.Profile()
+        profiler.runcall(executor.compile, *inputs)
+    path = PROFILE.with_name(f"compile_time_{name}{'_warm' if warm else ''}.prof")
     RESULTS.parent.mkdir(exist_ok=True)
-    profiler = cProfile.Profile()
-    profiler.runcall(executor.compile, *inputs)
-    profiler.dump_stats(PROFILE)
+    profiler.dump_stats(path)
     pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
-    print(f"wrote {PROFILE}")
+    print(f"wrote {path}")
 
 
 def main():
@@ -239,13 +248,15 @@ def main():
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--only", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
     parser.add_argument("--no-torch-compile", action="store_true", help="skip torch.compile")
-    parser.add_argument("--profile", action="store_true", help="cProfile the 4-block GPT's first call")
+    parser.add_argument("--profile", action="store_true", help="cProfile one model's first call (--only, gpt4 if "
+                        "not given)")
+    parser.add_argument("--warm", action="store_true", help="with --profile: in a second process, on a warm cache")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
     if args.profile:
-        profile_gpt4()
+        profile("gpt4" if args.only == ",".join(MODELS) else args.only, args.warm)
         return
     results = {"models": {}}
     for name in args.only.split(","):
