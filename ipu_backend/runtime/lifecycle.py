@@ -441,7 +441,7 @@ class Executor:
         self._profiler.computed(state, arrays, logs)
         self._keep(compiled, state)
         self._opt_states_on_host = not self._training
-        self._store.update(state["params"], state["buffers"], compiled.packing)
+        self._store.update(state["params"], state["buffers"], compiled.packing, self)
         self.last_program = compiled.program
         host_idle.run_queued()
         jax.block_until_ready(arrays)

@@ -47,6 +47,8 @@ class WeightStore:
         self.packing = Packing()
         self.buffers: dict | None = None
         self.host_stale = False        # the device has weights the module does not show yet
+        self._writer = None
+        """A weak reference to the executor whose call computed the device's weights last."""
         self.on_host_sync = []         # callbacks run after weights reach the host (optimizer state)
         self.executors = weakref.WeakSet()   # the executors using these weights (``module.destroy()``)
         self.on_host_load = []         # callbacks run with the names of the host writes loaded
@@ -102,12 +104,13 @@ class WeightStore:
             self.buffers = {**self.buffers, **{name: to_jax(host[name], f"buffer {name}") for name in names}}
             self._agree((name, host[name]) for name in names)
 
-    def update(self, params: dict, buffers: dict, packing: Packing = Packing()) -> None:
-        """New weights computed on the device (parameters laid out as ``packing`` says); the host
-        copy is refreshed lazily. Host writes made before this call, which ran without them,
-        count as seen: copying back overwrites them."""
+    def update(self, params: dict, buffers: dict, packing: Packing = Packing(), writer=None) -> None:
+        """New weights computed on the device (parameters laid out as ``packing`` says) by the
+        call of the executor ``writer``; the host copy is refreshed lazily. Host writes made
+        before this call, which ran without them, count as seen: copying back overwrites them."""
         self.params, self.buffers, self.packing = params, buffers, packing
         self.host_stale = True
+        self._writer = None if writer is None else weakref.ref(writer)
         self._agreed = {name: (tensor, tensor._version, tensor.data_ptr())
                         for name, (tensor, _, _) in self._agreed.items()}
 
@@ -129,6 +132,16 @@ class WeightStore:
             self._agree(tensors)
             for callback in self.on_host_load:
                 callback(written)
+
+    def implicit_copy(self) -> None:
+        """The copy a host access makes when the device is ahead: as in PopTorch, the
+        ``copyWeightsToHost`` of the executor whose call computed the weights (a wrapper the
+        user put on it sees each implicit copy), else the copy itself."""
+        writer = None if self._writer is None else self._writer()
+        if writer is None:
+            self.sync_to_host()
+        else:
+            writer.copyWeightsToHost()
 
     def host_writes(self) -> set[str]:
         """The host tensors written since the device's last update (or never loaded)."""
@@ -186,7 +199,7 @@ def release(module: torch.nn.Module) -> None:
 def _sync(module) -> None:
     store = _STORES.get(module)
     if store is not None and store.host_stale:
-        store.sync_to_host()
+        store.implicit_copy()
 
 
 class _HostSyncing:

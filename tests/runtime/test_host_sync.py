@@ -117,6 +117,24 @@ def test_existing_executor_keeps_poptorchs_rule():
     assert_same_state(model, continued)
 
 
+def test_an_implicit_copy_is_the_training_models_copy_weights_to_host():
+    """As in PopTorch, a host access after a training call copies through the executor's own
+    ``copyWeightsToHost`` (a wrapper on it counts the implicit copies), once per device update."""
+    model, ipu, _, reference, _ = trained()
+    copies = []
+    copy_weights_to_host = ipu.copyWeightsToHost
+    ipu.copyWeightsToHost = lambda: (copies.append(1), copy_weights_to_host())
+    assert_same_state(model, reference)
+    assert len(copies) == 1
+    list(model.parameters())
+    assert len(copies) == 1, "nothing new on the device: no copy"
+    xs, ys = data()
+    ipu(xs.reshape(-1, 4), ys.reshape(-1, 3))
+    assert len(copies) == 1, "a call copies nothing to the host"
+    model.eval()(xs[0])
+    assert len(copies) == 2
+
+
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_optimizer_state_dict_read_first_is_the_devices(optimizer, tmp_path):
     model, _, ipu_optimizer, reference, torch_optimizer = trained(optimizer)
