@@ -214,6 +214,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
     containers.register((args, kwargs))
     # The module's results may hold container subclasses too: registered as it returns them.
     hook = module.register_forward_hook(lambda _, __, result: containers.register(result))
+    attributes = _plain_tensor_attributes(module)     # non-strict export writes into them for real
     try:
         # preserve_node_meta keeps torch.fx.traceback.annotate(...) tags (pipeline blocks) on nodes.
         with torch.fx.traceback.preserve_node_meta(), _capture_scope():
@@ -240,6 +241,8 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         raise Error(f"{error}\n(while capturing the program, at {where})") from error
     finally:
         hook.remove()
+    if _mutated_attributes_as_buffers(module, exported, attributes):
+        return export(module, args, kwargs)
     _refuse_mutated_constants(exported, type(module).__name__)
     _detach_no_grad_regions(exported.graph_module)
     exported = decompose_to_core_aten(exported)
@@ -258,25 +261,56 @@ def _writes(node: torch.fx.Node, value: torch.fx.Node) -> bool:
                for a in node.target._schema.arguments)
 
 
-def _refuse_mutated_constants(exported: torch.export.ExportedProgram, model: str) -> None:
-    """A plain tensor attribute (neither parameter nor buffer) is a constant of the program:
-    writing into it in place would be lost, so it is refused with the fix."""
+def _mutated_constants(exported: torch.export.ExportedProgram) -> list[tuple[str, torch.fx.Node]]:
+    """``(target, writer node)`` of each constant tensor the program writes into in place."""
     constants = {spec.arg.name: spec.target for spec in exported.graph_signature.input_specs
                  if spec.kind is torch.export.graph_signature.InputKind.CONSTANT_TENSOR}
-    for node in exported.graph.nodes:
-        if node.op != "placeholder" or node.name not in constants:
+    return [(constants[node.name], user) for node in exported.graph.nodes
+            if node.op == "placeholder" and node.name in constants
+            for user in node.users if _writes(user, node)]
+
+
+def _plain_tensor_attributes(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of each tensor attribute of ``module``'s modules that is neither a parameter nor a
+    buffer, by its name from ``module``."""
+    return {f"{prefix}.{name}" if prefix else name: value.detach().clone()
+            for prefix, owner in module.named_modules() for name, value in vars(owner).items()
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)}
+
+
+def _mutated_attributes_as_buffers(module: torch.nn.Module, exported: torch.export.ExportedProgram,
+                                   before: dict[str, torch.Tensor]) -> bool:
+    """Register each plain tensor attribute that forward changes in place as a non-persistent
+    buffer of its module, the same tensor with its value ``before`` the capture wrote into it
+    (``state_dict()`` is unchanged): the program then keeps its new value from call to call, as
+    torch eager does. Whether any was (capture again)."""
+    converted = False
+    for target, _ in _mutated_constants(exported):
+        if target not in before:
             continue
-        for user in node.users:
-            if _writes(user, node):
-                name = constants[node.name]
-                attribute = name.rpartition(".")[2]
-                where = user_location(user.meta.get("stack_trace")) or "unknown source line"
-                raise Error(
-                    f"forward changes the tensor attribute `{name}` of {model} in place, at {where}. "
-                    "A plain tensor attribute is a constant of the compiled program, so the change "
-                    "would be lost: register it as a buffer in its module's __init__ "
-                    f"(`self.register_buffer(\"{attribute}\", tensor, persistent=False)`), whose new "
-                    "value the program keeps, as torch does")
+        owner_name, _, attribute = target.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        tensor = vars(owner)[attribute]
+        with torch.no_grad():
+            tensor.copy_(before[target])
+        delattr(owner, attribute)
+        owner.register_buffer(attribute, tensor, persistent=False)
+        converted = True
+    return converted
+
+
+def _refuse_mutated_constants(exported: torch.export.ExportedProgram, model: str) -> None:
+    """A tensor that forward reads from elsewhere than its module and inputs (a global, a
+    closure's) is a constant of the program: writing into it in place would be lost, so it is
+    refused with the fix."""
+    for name, user in _mutated_constants(exported):
+        where = user_location(user.meta.get("stack_trace")) or "unknown source line"
+        raise Error(
+            f"forward of {model} changes a tensor in place at {where} that is neither an input nor "
+            f"an attribute of the model (torch.export names it `{name}`): it is a constant of the "
+            "compiled program, so the change would be lost. Make it a buffer of the module "
+            "(`self.register_buffer(name, tensor, persistent=False)` in __init__) or an input of "
+            "forward, whose new values the program keeps, as torch does")
 
 
 def _detach_no_grad_regions(graph_module: torch.fx.GraphModule) -> None:

@@ -1,6 +1,7 @@
 """A model that updates its inputs in place: the caller's tensors get the new values, as in
-PopTorch (and torch eager); where that cannot be emulated, a clear error (a plain tensor attribute changed in place
-names the fix: a buffer)."""
+PopTorch (and torch eager); a plain tensor attribute changed in place keeps its new value as a
+buffer would; where that cannot be emulated, a clear error (a global tensor changed in place names
+the fix: a buffer or an input)."""
 
 import copy
 
@@ -58,15 +59,53 @@ class _Counting(torch.nn.Module):
         return x * self.total
 
 
-def test_a_plain_tensor_attribute_changed_in_place_is_refused_with_the_fix():
-    with pytest.raises(poptorch.Error, match=r"changes the tensor attribute `total` of _Counting in place, "
-                                             r"at .*self\.total \+= x\.sum\(\).*register_buffer\(\"total\""):
-        poptorch.inferenceModel(_Counting(as_buffer=False))(torch.ones(2))
-    # the fix it names keeps the attribute's new value from call to call, as torch does
-    model = _Counting(as_buffer=True)
+@pytest.mark.parametrize("as_buffer", [False, True])
+def test_a_tensor_attribute_changed_in_place_keeps_its_value_from_call_to_call(as_buffer):
+    """A plain tensor attribute becomes a non-persistent buffer of its module (its value as
+    before the capture, the state_dict unchanged), so the program keeps it as torch does."""
+    model = _Counting(as_buffer)
     reference = copy.deepcopy(model)
     ipu = poptorch.inferenceModel(model)
     x = torch.arange(2.0)
     for _ in range(3):
         torch.testing.assert_close(ipu(x), reference(x), rtol=0, atol=0)
     torch.testing.assert_close(model.total, reference.total, rtol=0, atol=0)
+    assert list(model.state_dict()) == list(reference.state_dict())
+
+
+class _Doubling(torch.nn.Module):
+    """No inputs, no outputs: only its attribute changes (PopTorch's test_no_inputs_no_output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Module()
+        self.inner.x = torch.tensor([1.0])
+
+    def forward(self):
+        self.inner.x += self.inner.x
+
+
+def test_a_model_without_inputs_or_outputs_updates_its_attribute_as_torch():
+    model = _Doubling()
+    reference = copy.deepcopy(model)
+    ipu = poptorch.inferenceModel(model)
+    for _ in range(2):
+        assert ipu() is None and reference() is None
+        torch.testing.assert_close(model.inner.x, reference.inner.x, rtol=0, atol=0)
+    torch.testing.assert_close(model.inner.x, torch.tensor([4.0]), rtol=0, atol=0)
+
+
+_GLOBAL_TOTAL = torch.zeros(1)
+
+
+class _GlobalCounting(torch.nn.Module):
+    def forward(self, x):
+        _GLOBAL_TOTAL.add_(x.sum())
+        return x * 2
+
+
+def test_a_tensor_changed_in_place_outside_the_model_is_refused_with_the_fix():
+    with pytest.raises(poptorch.Error, match=r"forward of _GlobalCounting changes a tensor in place at "
+                                             r".*_GLOBAL_TOTAL\.add_.*neither an input nor an attribute.*"
+                                             r"register_buffer"):
+        poptorch.inferenceModel(_GlobalCounting())(torch.ones(2))
