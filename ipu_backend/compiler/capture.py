@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.fx.traceback
+import torch.utils._pytree as torch_pytree
 from torch._export import utils as _export_utils
 from torch.export import exported_program as _exported_program
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -214,11 +215,12 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
     containers.register((args, kwargs))
     # The module's results may hold container subclasses too: registered as it returns them.
     hook = module.register_forward_hook(lambda _, __, result: containers.register(result))
-    attributes = _plain_tensor_attributes(module)     # non-strict export writes into them for real
+    target = _Anchored(module) if _Anchored.needed(module, args, kwargs) else module
+    attributes = _plain_tensor_attributes(target)     # non-strict export writes into them for real
     try:
         # preserve_node_meta keeps torch.fx.traceback.annotate(...) tags (pipeline blocks) on nodes.
         with torch.fx.traceback.preserve_node_meta(), _capture_scope():
-            exported = torch.export.export(module, tuple(args), kwargs or None, strict=False)
+            exported = torch.export.export(target, tuple(args), kwargs or None, strict=False)
     except GuardOnDataDependentSymNode as error:
         where = traceback_location(error.__traceback__) or "unknown source line"
         raise Error(
@@ -241,8 +243,10 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         raise Error(f"{error}\n(while capturing the program, at {where})") from error
     finally:
         hook.remove()
-    if _mutated_attributes_as_buffers(module, exported, attributes):
+    if _mutated_attributes_as_buffers(target, exported, attributes):
         return export(module, args, kwargs)
+    if target is not module:
+        _Anchored.drop(exported)
     _refuse_mutated_constants(exported, type(module).__name__)
     _detach_no_grad_regions(exported.graph_module)
     exported = decompose_to_core_aten(exported)
@@ -250,6 +254,38 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
     hints.check_multi_convs(exported.graph_module)
     exported.graph_module.meta[FLOAT32_PRECISION_KEY] = precision
     return exported
+
+
+class _Anchored(torch.nn.Module):
+    """``module`` with one unused buffer, its anchor. torch.export's constant lifting inserts the
+    lifted constants before the graph's first node, and misplaces them (a node used before it is
+    defined) when no placeholder comes first: a module without inputs, parameters and buffers
+    that reads tensors of its own (PopTorch's ``test_cpu_output``). The anchor is dropped from
+    the export afterwards."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+        self.register_buffer("anchor", torch.zeros(()), persistent=False)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @staticmethod
+    def needed(module: torch.nn.Module, args: tuple, kwargs: dict | None) -> bool:
+        tensors = [x for x in torch_pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        return not tensors and next(iter(module.parameters()), None) is None \
+            and next(iter(module.buffers()), None) is None
+
+    @staticmethod
+    def drop(exported: torch.export.ExportedProgram) -> None:
+        specs = exported.graph_signature.input_specs
+        spec = next(s for s in specs if s.target == "anchor")
+        placeholder = next(n for n in exported.graph.nodes if n.op == "placeholder" and n.name == spec.arg.name)
+        exported.graph.erase_node(placeholder)
+        specs.remove(spec)
+        exported.constants.pop("anchor", None)
+        exported.graph_module.recompile()
 
 
 def _writes(node: torch.fx.Node, value: torch.fx.Node) -> bool:

@@ -109,3 +109,20 @@ def test_a_tensor_changed_in_place_outside_the_model_is_refused_with_the_fix():
                                              r".*_GLOBAL_TOTAL\.add_.*neither an input nor an attribute.*"
                                              r"register_buffer"):
         poptorch.inferenceModel(_GlobalCounting())(torch.ones(2))
+
+
+_CONSTANTS = (torch.tensor([1, 2]), torch.tensor([3, 4]))
+
+
+class _Constants(torch.nn.Module):
+    """No inputs, parameters or buffers: only tensors of its own (PopTorch's test_cpu_output)."""
+
+    def forward(self):
+        first, second = _CONSTANTS
+        return first + second, ([first, second], [first, second]), second
+
+
+def test_a_model_without_inputs_parameters_or_buffers_returns_torchs_outputs():
+    expected = _Constants()()
+    actual = poptorch.inferenceModel(_Constants())()
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
