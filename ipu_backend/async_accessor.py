@@ -6,6 +6,7 @@ must clone what they keep); a thread needs neither, so the items are the iterabl
 valid. ``sharing_strategy`` and ``miss_sleep_time_in_ms`` are accepted and have no effect.
 """
 
+import logging
 from typing import Any
 
 from ipu_backend.data import DataLoader
@@ -13,6 +14,8 @@ from ipu_backend.data.prefetch import PrefetchIterator
 from ipu_backend.data.rebatching import rebatch
 from ipu_backend.enums import DataLoaderMode, SharingStrategy
 from ipu_backend.errors import Error
+
+logger = logging.getLogger("ipu_backend")
 
 
 class AsynchronousDataAccessor:
@@ -56,6 +59,8 @@ class AsynchronousDataAccessor:
             self._iterator = None
         except Exception as error:          # whatever the dataset raised, reported as PopTorch does
             self.terminate()
+            # PopTorch's worker logs the failure itself: the console shows it even where the Error is caught.
+            logger.error("AsynchronousDataAccessor worker thread failed to start", exc_info=error)
             raise Error(f"AsynchronousDataAccessor worker thread failed to start: the first item "
                         f"could not be loaded ({type(error).__name__}: {error})") from error
 

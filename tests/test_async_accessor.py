@@ -39,9 +39,10 @@ class Broken(torch.utils.data.Dataset):
         raise ValueError("Broken dataset")
 
 
-def test_poptorch_errors():
+def test_poptorch_errors(capfd):
     with pytest.raises(poptorch.Error, match="worker thread failed to start.*Broken dataset"):
         poptorch.AsynchronousDataAccessor(Broken())
+    assert "ValueError: Broken dataset" in capfd.readouterr().err, "the failure is logged, as PopTorch's worker does"
     loader = poptorch.DataLoader(poptorch.Options(), rows(4), batch_size=2, mode=poptorch.DataLoaderMode.Async)
     with pytest.raises(poptorch.Error, match="The DataLoader already uses an AsynchronousDataAccessor"):
         poptorch.AsynchronousDataAccessor(loader)
