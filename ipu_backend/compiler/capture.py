@@ -29,10 +29,19 @@ from ipu_backend.compiler import (
 from ipu_backend.compiler.sources import traceback_location, user_location
 from ipu_backend.errors import Error
 
-warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                        category=FutureWarning)
+_TREESPEC_DEPRECATION = {"message": r"`isinstance\(treespec, LeafSpec\)` is deprecated", "category": FutureWarning}
+warnings.filterwarnings("ignore", **_TREESPEC_DEPRECATION)
 """torch's own copies of its tree specs (``run_decompositions`` deep-copies the module call graph;
 a cached program's output layout holds one) warn of a deprecation inside torch, on every compile."""
+
+
+@contextlib.contextmanager
+def _without_treespec_deprecation():
+    """The filter above, also where the warning filters were reset since this module was imported
+    (pytest resets them for each test, and a test may assert that compiling warns of nothing)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", **_TREESPEC_DEPRECATION)
+        yield
 
 
 @dataclass(frozen=True)
@@ -249,7 +258,8 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         _Anchored.drop(exported)
     _refuse_mutated_constants(exported, type(module).__name__)
     _detach_no_grad_regions(exported.graph_module)
-    exported = decompose_to_core_aten(exported)
+    with _without_treespec_deprecation():
+        exported = decompose_to_core_aten(exported)
     loops.outline_loops(exported.graph_module)
     hints.check_multi_convs(exported.graph_module)
     exported.graph_module.meta[FLOAT32_PRECISION_KEY] = precision

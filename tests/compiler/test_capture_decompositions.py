@@ -87,10 +87,13 @@ def test_split_tables_equal_torchs():
 
 
 
-def test_a_capture_shows_no_deprecation_warning_from_inside_torch(tmp_path):
-    # A fresh process, with Python's default warning filters (the test run's own ignore this one).
+@pytest.mark.parametrize("reset", [False, True], ids=["filters", "filters reset after import"])
+def test_a_capture_shows_no_deprecation_warning_from_inside_torch(tmp_path, reset):
+    # A fresh process, with Python's default warning filters (the test run's own ignore this one),
+    # or with them reset after the import, as pytest does for each test of a run.
     script = (
-        "import torch, ipu_backend as poptorch\n"
+        "import torch, warnings, ipu_backend as poptorch\n"
+        + ("warnings.resetwarnings()\n" if reset else "") +
         "class M(torch.nn.Module):\n"
         "    def __init__(self):\n"
         "        super().__init__(); self.linear = torch.nn.Linear(4, 4)\n"
