@@ -36,9 +36,10 @@ a cached program's output layout holds one) warn of a deprecation inside torch, 
 
 
 @contextlib.contextmanager
-def _without_treespec_deprecation():
+def without_treespec_deprecation():
     """The filter above, also where the warning filters were reset since this module was imported
-    (pytest resets them for each test, and a test may assert that compiling warns of nothing)."""
+    (pytest resets them for each test, and a test may assert that compiling warns of nothing):
+    around the capture's decomposition and the executable cache's (un)pickling of tree specs."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", **_TREESPEC_DEPRECATION)
         yield
@@ -258,7 +259,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         _Anchored.drop(exported)
     _refuse_mutated_constants(exported, type(module).__name__)
     _detach_no_grad_regions(exported.graph_module)
-    with _without_treespec_deprecation():
+    with without_treespec_deprecation():
         exported = decompose_to_core_aten(exported)
     loops.outline_loops(exported.graph_module)
     hints.check_multi_convs(exported.graph_module)

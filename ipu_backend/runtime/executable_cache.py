@@ -33,6 +33,7 @@ import jax
 import jaxlib
 import torch
 
+from ipu_backend.compiler.capture import without_treespec_deprecation
 from ipu_backend.compiler.identity import Unidentifiable, describe
 from ipu_backend.errors import Error
 from ipu_backend.runtime import serialization, xla_compile
@@ -122,7 +123,7 @@ class ExecutableCache:
         a function of the layout state giving it), or None."""
         path = self._path(key)
         try:
-            with open(path, "rb") as file:
+            with open(path, "rb") as file, without_treespec_deprecation():
                 entry = pickle.load(file)
             os.utime(path)
         except (FileNotFoundError, NotADirectoryError):      # not cached (yet)
