@@ -31,6 +31,7 @@ from ipu_backend.errors import Error, RecoverableError, UnrecoverableError  # no
 from ipu_backend.models import inferenceModel, trainingModel  # noqa: E402
 from ipu_backend.options import Options, TensorLocationSettings  # noqa: E402
 from ipu_backend.ops import (  # noqa: E402
+    CPU,
     MultiConv,
     NameScope,
     dynamic_slice,
@@ -55,7 +56,7 @@ __all__ = [
     "MultiConvPlanType", "Options", "OutputMode", "OverlapMode", "PoplarExecutor", "ReductionType",
     "SharingStrategy", "SyncPattern", "TensorLocationSettings", "VariableRetrievalMode",
     "cond", "for_loop", "identity_loss", "inferenceModel", "optim", "trainingModel",
-    "MultiConv", "NameScope", "dynamic_slice", "dynamic_update", "ipu_print_tensor", "isRunningOnIpu", "nop",
+    "CPU", "MultiConv", "NameScope", "dynamic_slice", "dynamic_update", "ipu_print_tensor", "isRunningOnIpu", "nop",
     "serializedMatMul", "set_available_memory", "set_overlap_for_input", "set_overlap_for_output",
     "module_repr", "registerPostCompileHook", "registerPreCompileHook",
     "ICustomArgParser", "registerCustomArgParser", "ipuHardwareIsAvailable", "ipuHardwareVersion",

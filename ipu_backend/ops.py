@@ -11,6 +11,7 @@ import torch.utils._pytree as torch_pytree
 
 from ipu_backend.compiler import dynamic_slicing, hints
 from ipu_backend.compiler.capture import capturing
+from ipu_backend.compiler.host_calls import HostFunction, host_call
 from ipu_backend.compiler.tensor_print import FLOAT_FORMATS, print_tensor
 from ipu_backend.enums import MatMulSerializationMode, MultiConvPlanType, OverlapMode
 from ipu_backend.errors import Error
@@ -20,6 +21,29 @@ def isRunningOnIpu() -> bool:  # noqa: N802
     """True while the model is being compiled for the (emulated) IPUs, False when it runs as a
     plain torch module: ``if poptorch.isRunningOnIpu(): ...`` chooses IPU-only code."""
     return capturing()
+
+
+class CPU:
+    """``poptorch.CPU(layer_to_call, ID)``: calling it inside a compiled model runs
+    ``layer_to_call`` (a function or module of tensors) on the host, with the values the program
+    computed, each time the program runs (once per replica and micro-batch); outside a compiled
+    model it is a plain call. For inference models, as in PopTorch: a loss whose gradient goes
+    through it is refused."""
+
+    def __init__(self, layer_to_call, ID: str):  # noqa: N803
+        if isinstance(layer_to_call, torch.nn.Module):
+            layer_to_call.requires_grad_(False)
+        self._ID = ID
+        self._host = HostFunction(layer_to_call, ID)
+
+    def __call__(self, *inputs):
+        if not capturing():
+            return self._host.function(*inputs)
+        if not all(isinstance(x, torch.Tensor) for x in inputs):
+            raise Error(f"poptorch.CPU op {self._ID!r} takes tensors only; got "
+                        f"{[type(x).__name__ for x in inputs]}")
+        outputs = host_call(list(inputs), self._host.key)
+        return outputs[0] if self._host.single else outputs
 
 
 def ipu_print_tensor(tensor: torch.Tensor, title: str = "", print_gradient: bool = True,

@@ -7,8 +7,11 @@ import ipu_backend as poptorch
 from ipu_backend import Error
 from ipu_backend.compiler.custom_ops import IDENTITY_LOSS, identity_loss
 from ipu_backend.compiler.hints import HINT
+from ipu_backend.compiler.host_calls import HOST_CALL
 from ipu_backend.compiler.tensor_print import PRINT_TENSOR
 from tests.compiler.harness import OpCase, case_params, check_case
+
+_SORT_ON_HOST = poptorch.CPU(lambda x: (torch.sort(x, dim=-1).values * 2, x.sum()), "SortOnHost")
 
 CASES = [
     OpCase(f"identity_loss_{reduction}", lambda x, r=reduction: identity_loss(x * 2.0, r),
@@ -19,6 +22,9 @@ CASES = [
            lambda dtype: (torch.randn(3, 4, dtype=dtype),), ops=(HINT,)),
     OpCase("ipu_print_tensor_is_an_identity", lambda x: poptorch.ipu_print_tensor(x.sin(), "x") * 2,
            lambda dtype: (torch.randn(3, 4, dtype=dtype),), ops=(PRINT_TENSOR,)),
+    OpCase("cpu_op_runs_on_the_host", lambda x: [y + 1 for y in _SORT_ON_HOST(x.cos())],
+           lambda dtype: (torch.randn(3, 4, dtype=dtype),), (torch.float32, torch.float16), grad=False,
+           ops=(HOST_CALL,)),
 ]
 
 

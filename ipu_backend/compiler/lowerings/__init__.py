@@ -9,6 +9,7 @@ from ipu_backend.compiler.lowerings import (  # noqa: F401
     creation,
     dynamic_slicing,
     elementwise,
+    host_calls,
     layers,
     linalg,
     losses,
