@@ -29,6 +29,13 @@ class _Console(logging.StreamHandler):
     def stream(self, _value):
         """``sys.stderr`` is looked up at each message, never kept."""
 
+    def emit(self, record: logging.LogRecord) -> None:
+        """Unless the root logger already writes to the console (``logging.basicConfig``): the
+        message is shown once."""
+        if not any(getattr(handler, "stream", None) in (sys.stderr, sys.__stderr__)
+                   for handler in logging.getLogger().handlers):
+            super().emit(record)
+
 
 logging.getLogger("ipu_backend").addHandler(_Console())
 

@@ -584,3 +584,17 @@ def test_half_accumulators_choose_the_running_mean_strategy_as_poptorch():
     with pytest.raises(ValueError, match="the new optimizer would require changing options.Training."
                                          "meanAccumulationAndReplicationReductionStrategy"):
         plain.setOptimizer(optim.Adam(model.parameters(), accum_type=torch.half))
+
+
+def test_a_warning_reaches_the_console_once_when_the_root_logger_writes_there(capfd):
+    import logging
+    import sys
+
+    root = logging.getLogger()
+    console = logging.StreamHandler(sys.stderr)
+    root.addHandler(console)
+    try:
+        logging.getLogger("ipu_backend").warning("one notice")
+    finally:
+        root.removeHandler(console)
+    assert capfd.readouterr().err.count("one notice") == 1
