@@ -71,8 +71,9 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         self._attached = True
         self._destroyed = False
         self._weight_groupings = {}
-        self._replica_buffers = ReplicaBuffers()
         """Parameter name -> its ``replicaGrouping`` (``runtime/replica_groups.py``)."""
+        self._replica_buffers = ReplicaBuffers()
+        """Each replica's buffers under ``broadcastBuffers(False)`` (``runtime/replica_buffers.py``)."""
         if training:
             host_optimizer.watch(optimizer, self, PoplarExecutor._optimizer_states_to_host,
                                  PoplarExecutor._optimizer_state_loaded)
@@ -432,7 +433,8 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         if mesh is not None and not self._is_resident(state):
             rows = state.pop("buffers") if schedule.per_replica_buffers else None   # already sharded
             state = processes.replicated(state, mesh, first_process=True)
-            state.update({} if rows is None else {"buffers": rows})
+            if rows is not None:
+                state["buffers"] = rows
         return (state, inputs, hyper, key, index) if self._training else (state, inputs, key, index)
 
     def _offloads_optimizer_state(self, compiled: CompiledStep) -> bool:
