@@ -6,6 +6,7 @@ from ipu_backend import distributed
 from ipu_backend.options import Options
 from ipu_backend.profiling import recorder_for
 from ipu_backend.runtime.executor import PoplarExecutor
+from ipu_backend.runtime.weights import claim_for_training, refuse_second_training_wrapper
 
 
 def _join_processes(options: Options) -> None:
@@ -19,13 +20,17 @@ def _join_processes(options: Options) -> None:
 def trainingModel(model: torch.nn.Module, options=None, optimizer=None) -> PoplarExecutor:  # noqa: N802
     """A training executor: each call runs ``deviceIterations`` optimizer steps (SGD lr=0.01 when
     no optimizer is given, as PopTorch) and returns the outputs per ``Options.outputMode``.
-    ``model`` may be another executor: its model is wrapped."""
+    ``model`` may be another executor: its model is wrapped. As in PopTorch, a module has one
+    training wrapper at a time: a second is refused until the first is destroyed."""
     if isinstance(model, PoplarExecutor):
         model = model.model
+    refuse_second_training_wrapper(model)
     options = options if options is not None else Options()
     _join_processes(options)
-    return PoplarExecutor(model, options, training=True, optimizer=optimizer,
-                          recorder=recorder_for(options, True, None))
+    executor = PoplarExecutor(model, options, training=True, optimizer=optimizer,
+                              recorder=recorder_for(options, True, None))
+    claim_for_training(model, executor)
+    return executor
 
 
 def inferenceModel(model: torch.nn.Module, options=None) -> PoplarExecutor:  # noqa: N802

@@ -51,6 +51,8 @@ class WeightStore:
         """A weak reference to the executor whose call computed the device's weights last."""
         self.on_host_sync = []         # callbacks run after weights reach the host (optimizer state)
         self.executors = weakref.WeakSet()   # the executors using these weights (``module.destroy()``)
+        self.training_wrapper = None
+        """A weak reference to the executor ``trainingModel`` made of the module (one at a time)."""
         self.on_host_load = []         # callbacks run with the names of the host writes loaded
         self.lock = threading.RLock()
         """Held by every call and copy of these weights: one at a time, from any thread."""
@@ -184,6 +186,23 @@ def weight_store(module: torch.nn.Module) -> WeightStore:
         store = _STORES[module] = WeightStore(module)
         _make_host_syncing(module)
     return store
+
+
+def refuse_second_training_wrapper(module: torch.nn.Module) -> None:
+    """PopTorch's rule: a module has one ``trainingModel`` wrapper at a time, so that no two
+    optimizer states train its weights. A wrapper holds the module once it has compiled, until it
+    is destroyed (``destroy`` releases the module's store)."""
+    store = _STORES.get(module)
+    wrapper = None if store is None or store.training_wrapper is None else store.training_wrapper()
+    if wrapper is not None and wrapper.isCompiled():
+        raise Error("Model has already been wrapped in 'poptorch.trainingModel'. Call model.destroy() on "
+                    "the model to unwrap before wrapping again. (Or call destroy() on the executor "
+                    "trainingModel returned; an inferenceModel of the same module needs neither.)")
+
+
+def claim_for_training(module: torch.nn.Module, executor) -> None:
+    """Record ``executor`` as the module's ``trainingModel`` wrapper."""
+    weight_store(module).training_wrapper = weakref.ref(executor)
 
 
 def release(module: torch.nn.Module) -> None:

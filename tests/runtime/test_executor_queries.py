@@ -3,6 +3,7 @@ counters (measured host times), rng_state (replays random numbers), copyNamedBuf
 copyWeightsToHostIfNeeded, destroy() on the wrapped model, repr/module_repr, compile hooks, and
 PopTorch's errors for each."""
 
+import copy
 import datetime
 
 import pytest
@@ -124,6 +125,30 @@ def test_the_wrapped_model_copies_weights_and_destroys_its_executors():
     assert type(module) is Summed
     with pytest.raises(poptorch.Error, match="destroyed"):
         model(x)
+
+
+def test_a_second_training_wrapper_waits_for_the_first_to_be_destroyed():
+    """PopTorch's rule and sentence; an inference wrapper may join, and training goes on from the
+    destroyed wrapper's weights as torch's steps do."""
+    torch.manual_seed(0)
+    module = Summed()
+    reference = copy.deepcopy(module)
+    x = torch.ones(4, 2)
+    first = poptorch.trainingModel(module, optimizer=torch.optim.SGD(module.parameters(), lr=0.5))
+    first(x)
+    poptorch.inferenceModel(module)
+    with pytest.raises(RuntimeError, match=r"Model has already been wrapped in 'poptorch.trainingModel'. "
+                                           r"Call model.destroy\(\) on the model to unwrap before wrapping again."):
+        poptorch.trainingModel(module)
+    module.destroy()
+    poptorch.trainingModel(module, optimizer=torch.optim.SGD(module.parameters(), lr=0.5))(x)
+    eager = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for _ in range(2):
+        eager.zero_grad()
+        reference(x).backward()
+        eager.step()
+    for got, expected in zip(module.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_repr_shows_begin_blocks_and_compile_hooks_run():

@@ -92,6 +92,7 @@ def test_loaded_entries_set_what_the_next_training_model_starts_from():
     torch_optimizer.load_state_dict({"state": {0: {"momentum_buffer": saved["state"][0]["momentum_buffer"]},
                                                1: {"momentum_buffer": torch.tensor([0.5, -0.5])}},
                                      "param_groups": torch_optimizer.state_dict()["param_groups"]})
+    executor.destroy()    # one training wrapper of a module at a time, as in PopTorch
     continued = poptorch.trainingModel(model, optimizer=optimizer)
     data = batches(3)[1:]
     for x, y in data:
