@@ -7,6 +7,7 @@ valid. ``sharing_strategy`` and ``miss_sleep_time_in_ms`` are accepted and have 
 """
 
 import logging
+import traceback
 from typing import Any
 
 from ipu_backend.data import DataLoader
@@ -59,8 +60,11 @@ class AsynchronousDataAccessor:
             self._iterator = None
         except Exception as error:          # whatever the dataset raised, reported as PopTorch does
             self.terminate()
-            # PopTorch's worker logs the failure itself: the console shows it even where the Error is caught.
-            logger.error("AsynchronousDataAccessor worker thread failed to start", exc_info=error)
+            # PopTorch's worker logs the failure itself: the console shows it even where the Error is
+            # caught. The record holds the traceback's text, not its frames (which hold the dataset
+            # and its worker processes), however long a handler keeps records.
+            logger.error("AsynchronousDataAccessor worker thread failed to start\n%s",
+                         "".join(traceback.format_exception(error)).rstrip())
             raise Error(f"AsynchronousDataAccessor worker thread failed to start: the first item "
                         f"could not be loaded ({type(error).__name__}: {error})") from error
 

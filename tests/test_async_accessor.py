@@ -2,6 +2,9 @@
 PopTorch's errors; the hardware queries (the emulated IPUs stand for the hardware), log levels,
 profiling channels and PopTorch's error classes."""
 
+import gc
+import multiprocessing
+
 import pytest
 import torch
 
@@ -48,6 +51,22 @@ def test_poptorch_errors(capfd):
         poptorch.AsynchronousDataAccessor(loader)
     with pytest.raises(AssertionError, match="rebatched_size must be None or greater than 1"):
         poptorch.AsynchronousDataAccessor(rows(4), rebatched_size=1)
+
+
+def test_a_failing_worker_dataset_keeps_no_worker_process_alive():
+    """Neither the logged failure nor a reference cycle through torch's re-raised worker error
+    keeps the loader: dropped, its workers stop at once, not when the garbage collector runs
+    (where torch finds their queues closed and waits five seconds for each)."""
+    before = set(multiprocessing.active_children())
+    gc.disable()
+    try:
+        loader = poptorch.DataLoader(poptorch.Options(), Broken(), batch_size=1, num_workers=2)
+        with pytest.raises(poptorch.Error, match="worker thread failed to start"):
+            poptorch.AsynchronousDataAccessor(loader)
+        del loader
+        assert set(multiprocessing.active_children()) <= before
+    finally:
+        gc.enable()
 
 
 def test_no_ipu_hardware_and_log_levels():

@@ -4,6 +4,7 @@ devices compute (:class:`FetchAhead`, for ``DataLoaderMode.Sync``), or on a back
 
 import queue
 import threading
+import traceback
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -30,9 +31,16 @@ def _produce(batches: Iterator[Any], out: queue.Queue, stop: threading.Event) ->
                 return
         message = (_END, None)
     except Exception as error:  # re-raised by the consuming thread, in the user's loop
+        # The error's frames hold the source iterator (this frame too, as their caller), and
+        # torch's re-raise of a worker's error makes them a reference cycle: a torch iterator
+        # freed later by the garbage collector finds its worker queues closed and waits five
+        # seconds for each worker. Emptied of their locals, they hold nothing: the traceback's
+        # text is unchanged and the iterator is freed as soon as nothing else holds it.
+        traceback.clear_frames(error.__traceback__)
         message = (_ERROR, error)
     if not stop.is_set():
         out.put(message)
+    del batches, message
 
 
 def _stop_producer(out: queue.Queue, stop: threading.Event) -> None:
@@ -102,7 +110,9 @@ class PrefetchIterator:
     """Yields ``batches`` as fetched by a background thread, up to ``depth`` batches ahead.
 
     The thread ends with the iteration, on :meth:`close`, or when this iterator is garbage
-    collected (an abandoned loop); it then stops after the fetch under way.
+    collected (an abandoned loop); it then stops after the fetch under way. An error of the
+    source is raised with its traceback's text, its frames emptied of their local variables (see
+    ``_produce``).
     """
 
     def __init__(self, batches: Iterator[Any], depth: int) -> None:
@@ -125,7 +135,10 @@ class PrefetchIterator:
             return payload
         self.close()
         if kind == _ERROR:
-            raise payload
+            try:
+                raise payload
+            finally:
+                payload = None    # the traceback keeps this frame: no cycle through its locals
         raise StopIteration
 
     @property
