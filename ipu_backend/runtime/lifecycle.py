@@ -471,7 +471,14 @@ class Executor:
         """Before a call (or ``compile``): a new executor starts from the module's current host
         weights and buffers, host writes included, its parameters laid out as ``packing`` says
         (stacked on the host: no conversion on the device); a Lightning step also takes the host
-        writes callbacks made since its last call (see ``weights.py``)."""
+        writes callbacks made since its last call (see ``weights.py``). As in PopTorch, an
+        inference call after another executor's training calls first makes the implicit copy of
+        their weights to the host (that executor's ``copyWeightsToHost``)."""
+        if not self._training:
+            with self._store.lock:
+                writer = self._store.last_writer()
+                if self._store.host_stale and writer is not None and writer is not self and writer._training:
+                    self._store.implicit_copy()
         if not self._started:
             self._store.check_buffer_names(self._settings.updatable_named_buffers)
             self._started = True

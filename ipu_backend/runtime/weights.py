@@ -135,11 +135,15 @@ class WeightStore:
             for callback in self.on_host_load:
                 callback(written)
 
+    def last_writer(self):
+        """The executor whose call computed the device's weights last (None: none alive)."""
+        return None if self._writer is None else self._writer()
+
     def implicit_copy(self) -> None:
         """The copy a host access makes when the device is ahead: as in PopTorch, the
         ``copyWeightsToHost`` of the executor whose call computed the weights (a wrapper the
         user put on it sees each implicit copy), else the copy itself."""
-        writer = None if self._writer is None else self._writer()
+        writer = self.last_writer()
         if writer is None:
             self.sync_to_host()
         else:

@@ -135,6 +135,31 @@ def test_an_implicit_copy_is_the_training_models_copy_weights_to_host():
     assert len(copies) == 2
 
 
+def test_an_inference_call_after_training_first_makes_the_implicit_copy():
+    """As in PopTorch, an inference model of a module trained by another executor copies that
+    executor's weights to the host (its ``copyWeightsToHost``) before its first call after
+    training, and only then; its outputs are torch's after the same steps."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    xs, ys = data()
+    inference = poptorch.inferenceModel(model)
+    inference(xs[0])
+    ipu = poptorch.trainingModel(model, poptorch.Options().deviceIterations(3),
+                                 torch.optim.SGD(model.parameters(), lr=0.1))
+    copies = []
+    copy_weights_to_host = ipu.copyWeightsToHost
+    ipu.copyWeightsToHost = lambda: (copies.append(1), copy_weights_to_host())
+    ipu(xs.reshape(-1, 4), ys.reshape(-1, 3))
+    assert not copies
+    out = inference(xs[0])
+    assert len(copies) == 1
+    inference(xs[0])
+    assert len(copies) == 1, "nothing new trained: no copy"
+    torch_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), xs, ys)
+    torch.testing.assert_close(out, reference.eval()(xs[0]), rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_optimizer_state_dict_read_first_is_the_devices(optimizer, tmp_path):
     model, _, ipu_optimizer, reference, torch_optimizer = trained(optimizer)
