@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ipu_backend as poptorch
-from ipu_backend.runtime.executor import multi_ipu_program
+from ipu_backend.runtime.multi_ipu import multi_ipu_program
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "pipeline_overhead.json"
 WIDTH, LAYERS, MICRO, ACCUMULATION, STEPS = 1024, 4, 16, 8, 12

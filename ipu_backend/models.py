@@ -6,7 +6,6 @@ from ipu_backend import distributed
 from ipu_backend.options import Options
 from ipu_backend.profiling import recorder_for
 from ipu_backend.runtime.executor import PoplarExecutor
-from ipu_backend.runtime.weights import claim_for_training, refuse_second_training_wrapper
 
 
 def _join_processes(options: Options) -> None:
@@ -24,13 +23,10 @@ def trainingModel(model: torch.nn.Module, options=None, optimizer=None) -> Popla
     training wrapper at a time: a second is refused until the first is destroyed."""
     if isinstance(model, PoplarExecutor):
         model = model.model
-    refuse_second_training_wrapper(model)
     options = options if options is not None else Options()
     _join_processes(options)
-    executor = PoplarExecutor(model, options, training=True, optimizer=optimizer,
-                              recorder=recorder_for(options, True, None))
-    claim_for_training(model, executor)
-    return executor
+    return PoplarExecutor(model, options, training=True, optimizer=optimizer,
+                          recorder=recorder_for(options, True, None))
 
 
 def inferenceModel(model: torch.nn.Module, options=None) -> PoplarExecutor:  # noqa: N802

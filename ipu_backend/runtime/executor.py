@@ -31,7 +31,6 @@ from ipu_backend.runtime.lifecycle import (
 from ipu_backend.runtime.loss import find_loss, parameters_without_gradient
 from ipu_backend.runtime.module_modes import capture_modes
 from ipu_backend.runtime.module_repr import module_repr
-from ipu_backend.runtime.multi_ipu import MultiIpuProgram
 from ipu_backend.runtime.multi_ipu_builder import build, check_ipu_count
 from ipu_backend.runtime.algorithms import optimizer_rule
 from ipu_backend.runtime.optimizers import needs_running_mean, notice_subclass
@@ -44,6 +43,7 @@ from ipu_backend.runtime.stages import has_blocks
 from ipu_backend.runtime.replica_buffers import ReplicaBuffers
 from ipu_backend.runtime.step import OutputLayout, forward_with_constants, inference_call, initial_scaler
 from ipu_backend.runtime.step import master_copy, training_call
+from ipu_backend.runtime.weights import claim_for_training, refuse_second_training_wrapper
 from ipu_backend.runtime.xla_compile import compile_lowered, executables_from
 
 
@@ -54,7 +54,11 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
                  step_method: str | None = None, gradient_clipping=None, recorder=None):
         if training and optimizer is None:
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        wrapper = training and step_method is None         # a trainingModel: one per module at a time
+        if wrapper:
+            refuse_second_training_wrapper(model)
         super().__init__(model, options, training, step_method, recorder, optimizer if training else None)
+        self._made_with = (model, options, training, optimizer, step_method, gradient_clipping, self._profiler)
         self._store.executors.add(self)
         self._gradient_clipping = gradient_clipping
         """A ``runtime.clipping.GradientClipping`` applied before each optimizer update, or None."""
@@ -77,6 +81,8 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         if training:
             host_optimizer.watch(optimizer, self, PoplarExecutor._optimizer_states_to_host,
                                  PoplarExecutor._optimizer_state_loaded)
+        if wrapper:
+            claim_for_training(model, self)
 
     def _check_settings(self) -> None:
         super()._check_settings()
@@ -356,8 +362,8 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         inputs being the positional arguments (parameters given by keyword included, defaults
         filled in) followed by the values of the ``keywords`` (keyword-only and ``**kwargs``
         arguments), which the program receives by keyword."""
-        if self._destroyed:
-            raise Error("this model was destroyed; create a new trainingModel/inferenceModel")
+        if self._destroyed:         # PopTorch compiles a destroyed model again when it is called
+            self.__init__(*self._made_with)
         if not kwargs:
             return tuple(args), ()
         try:
@@ -590,11 +596,3 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             initial = float(rule.loss_scale(hyper))
             self._scaler = initial_scaler(initial if initial != 1.0 else None)
         return self._scaler
-
-
-def multi_ipu_program(executor: PoplarExecutor) -> MultiIpuProgram | None:
-    """The multi-IPU program an executor last compiled (its placement and memory figures), or
-    None for a single-IPU model or before the first compilation."""
-    compiled = next(reversed(executor._compiled.values()), None) if executor._compiled else None
-    call = getattr(compiled, "call", None)
-    return call if isinstance(call, MultiIpuProgram) else None

@@ -241,3 +241,11 @@ class MultiIpuProgram:
             if outputs and self._wanted(d, 0, 1):
                 collected.setdefault((d, 0), {}).update(outputs)
         return {"params": self._owned_params(params), "buffers": _merge(buffers)}, self._gather_outputs(collected)
+
+
+def multi_ipu_program(executor) -> MultiIpuProgram | None:
+    """The multi-IPU program a ``trainingModel``/``inferenceModel`` executor last compiled (its
+    placement and memory figures), or None for a single-IPU model or before the first compilation."""
+    compiled = next(reversed(executor._compiled.values()), None) if executor._compiled else None
+    call = getattr(compiled, "call", None)
+    return call if isinstance(call, MultiIpuProgram) else None

@@ -16,7 +16,7 @@ import ipu_backend as poptorch
 from ipu_backend.compiler import compile_module, to_jax
 from ipu_backend.compiler.layer_calls import REPEATED_LAYER
 from ipu_backend.compiler.layer_loops import layer_loop
-from ipu_backend.runtime.executor import multi_ipu_program
+from ipu_backend.runtime.multi_ipu import multi_ipu_program
 from ipu_backend.runtime.weights import weight_store
 
 RTOL, ATOL = 1e-5, 1e-6

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ipu_backend as poptorch
-from ipu_backend.runtime.executor import multi_ipu_program
+from ipu_backend.runtime.multi_ipu import multi_ipu_program
 from tests.multi_ipu.models import ATOL, RTOL, TwoStages, regression_data, torch_training, twins
 
 STRATEGIES = {"pipelined": poptorch.PipelinedExecution, "sharded": poptorch.ShardedExecution}

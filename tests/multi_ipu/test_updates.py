@@ -12,7 +12,7 @@ from torch import nn
 import ipu_backend as poptorch
 from ipu_backend.runtime.clipping import GradientClipping
 from ipu_backend.runtime.executor import PoplarExecutor
-from ipu_backend.runtime.executor import multi_ipu_program
+from ipu_backend.runtime.multi_ipu import multi_ipu_program
 from ipu_backend.runtime.weights import weight_store
 from tests.multi_ipu.models import ATOL, RTOL, TwoStages, assert_same_parameters, regression_data, twins
 

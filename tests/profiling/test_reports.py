@@ -14,7 +14,7 @@ import torch
 import ipu_backend as poptorch
 from ipu_backend.profiling import Recorder, recorder_for
 from ipu_backend.runtime import memory
-from ipu_backend.runtime.executor import multi_ipu_program
+from ipu_backend.runtime.multi_ipu import multi_ipu_program
 from tests.multi_ipu.models import TwoStages, regression_data
 
 STAGES, ITERATIONS, MICRO_BATCHES, REPLICAS, MICRO = 2, 2, 4, 2, 2

@@ -123,8 +123,36 @@ def test_the_wrapped_model_copies_weights_and_destroys_its_executors():
     assert module.copyWeightsToHostIfNeeded() is False and model.copyWeightsToHostIfNeeded() is False
     module.destroy()
     assert type(module) is Summed
-    with pytest.raises(poptorch.Error, match="destroyed"):
+
+
+def test_a_destroyed_model_called_again_compiles_again_and_goes_on_from_the_host():
+    """PopTorch compiles a destroyed executor again when it is called: training goes on from the
+    weights and optimizer state destroy() left on the host, as torch's uninterrupted steps; an
+    inference model takes inputs of a new structure."""
+    torch.manual_seed(0)
+    module, reference = Summed(), Summed()
+    reference.load_state_dict(module.state_dict())
+    model = poptorch.trainingModel(module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9))
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    inputs = [torch.randn(4, 2) for _ in range(4)]
+    for step, x in enumerate(inputs):
+        if step == 2:
+            model.destroy()
+            assert type(module) is Summed
         model(x)
+        optimizer.zero_grad()
+        reference(x).backward()
+        optimizer.step()
+    model.copyWeightsToHost()
+    for actual, expected in zip(module.parameters(), reference.parameters()):
+        torch.testing.assert_close(actual.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
+
+    inference = poptorch.inferenceModel(torch.nn.Linear(2, 2))
+    x = torch.randn(3, 2)
+    inference(x)
+    inference.destroy()
+    wider = torch.randn(5, 2)
+    torch.testing.assert_close(inference(wider), inference.model(wider).detach())
 
 
 def test_a_second_training_wrapper_waits_for_the_first_to_be_destroyed():
