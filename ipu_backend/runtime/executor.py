@@ -59,7 +59,6 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             refuse_second_training_wrapper(model)
         super().__init__(model, options, training, step_method, recorder, optimizer if training else None)
         self._made_with = (model, options, training, optimizer, step_method, gradient_clipping, self._profiler)
-        self._store.executors.add(self)
         self._gradient_clipping = gradient_clipping
         """A ``runtime.clipping.GradientClipping`` applied before each optimizer update, or None."""
         self._optimizer = optimizer
@@ -305,7 +304,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         return {name: placement.get(name, 0) for name, _ in torch.nn.Module.named_parameters(self._user_model)}
 
     def destroy(self) -> None:
-        """Release the device: weights reach the host and the module gets its own class back."""
+        """Release the device (see :meth:`Executor.destroy`) and the optimizer."""
         super().destroy()
         if self._optimizer is not None:
             host_optimizer.release(self._optimizer)

@@ -248,6 +248,7 @@ class Executor:
         """Where this executor's programs are kept on disk (None: they are not)."""
         self._profiler = recorder if recorder is not None else NullRecorder()
         """Where the executor reports its compilations and calls."""
+        self._store.executors.add(self)
 
     @property
     def options(self):
@@ -257,8 +258,9 @@ class Executor:
         self._store.sync_to_host()
 
     def destroy(self) -> None:
-        """Release the device: weights reach the host and the module gets its own class back."""
-        release(self._user_model)
+        """Release the device: weights reach the host, and the module gets its own class back once
+        no other executor uses them."""
+        release(self._user_model, self)
         self._profiler.close()
         self._compiled.clear()
 

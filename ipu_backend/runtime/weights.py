@@ -135,6 +135,18 @@ class WeightStore:
             for callback in self.on_host_load:
                 callback(written)
 
+    def forget(self, executor) -> bool:
+        """The device's weights reach the host and ``executor`` leaves them (its callbacks too);
+        whether other executors still use them."""
+        with self.lock:
+            self.sync_to_host()
+            self.executors.discard(executor)
+            self.on_host_sync = [c for c in self.on_host_sync if getattr(c, "__self__", None) is not executor]
+            self.on_host_load = [c for c in self.on_host_load if getattr(c, "__self__", None) is not executor]
+            if self.last_writer() is executor:
+                self._writer = None
+            return bool(self.executors)
+
     def last_writer(self):
         """The executor whose call computed the device's weights last (None: none alive)."""
         return None if self._writer is None else self._writer()
@@ -195,7 +207,7 @@ def weight_store(module: torch.nn.Module) -> WeightStore:
 def refuse_second_training_wrapper(module: torch.nn.Module) -> None:
     """PopTorch's rule: a module has one ``trainingModel`` wrapper at a time, so that no two
     optimizer states train its weights. A wrapper holds the module once it has compiled, until it
-    is destroyed (``destroy`` releases the module's store)."""
+    is destroyed (which clears its compiled programs)."""
     store = _STORES.get(module)
     wrapper = None if store is None or store.training_wrapper is None else store.training_wrapper()
     if wrapper is not None and wrapper.isCompiled():
@@ -209,11 +221,15 @@ def claim_for_training(module: torch.nn.Module, executor) -> None:
     weight_store(module).training_wrapper = weakref.ref(executor)
 
 
-def release(module: torch.nn.Module) -> None:
-    """Forget the device weights and give the module its own class back."""
-    store = _STORES.pop(module, None)
+def release(module: torch.nn.Module, executor) -> None:
+    """``executor`` no longer uses the module's device weights, which reach the host first. Once
+    no other executor uses them, the module forgets them and gets its own class back; until then
+    the others keep them, and the host keeps showing their updates."""
+    store = _STORES.get(module)
     if store is not None:
-        store.sync_to_host()
+        if store.forget(executor):
+            return
+        del _STORES[module]
     cls = type(module)
     if getattr(cls, "_ipu_original_class", None) is not None:
         module.__class__ = cls._ipu_original_class

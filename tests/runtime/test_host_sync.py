@@ -160,6 +160,25 @@ def test_an_inference_call_after_training_first_makes_the_implicit_copy():
     torch.testing.assert_close(out, reference.eval()(xs[0]), rtol=RTOL, atol=ATOL)
 
 
+def test_destroying_an_inference_executor_keeps_the_training_one_in_sync():
+    """The module's weights stay shared, and shown on the host, while any executor of it lives:
+    training after an inference executor sharing them was destroyed ends where torch does."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    xs, ys = data()
+    ipu = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    inference = poptorch.inferenceModel(model)
+    ipu(xs[0], ys[0])
+    inference(xs[0])
+    inference.destroy()
+    ipu(xs[1], ys[1])
+    torch_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), xs[:2], ys[:2])
+    assert_same_state(model, reference)
+    ipu.destroy()
+    assert type(model) is Net
+
+
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_optimizer_state_dict_read_first_is_the_devices(optimizer, tmp_path):
     model, _, ipu_optimizer, reference, torch_optimizer = trained(optimizer)
