@@ -166,8 +166,6 @@ class _TrainingOptions(_OptionGroup):
 class _PrecisionOptions(_OptionGroup):
     """Numerical precision options: ``opts.Precision``."""
 
-    _INERT = {"floating_point_exceptions": False}
-
     stochastic_rounding = _emulated(
         "stochastic_rounding", "Whether rounding to float16 is stochastic.", "enableStochasticRounding")
     master_weights = _emulated(
@@ -177,6 +175,10 @@ class _PrecisionOptions(_OptionGroup):
         "partials_type",
         "dtype of matmul and convolution partial results: torch.float (default) or torch.half.",
         "setPartialsType")
+    floating_point_exceptions = _emulated(
+        "floating_point_exceptions",
+        "Whether a call whose results hold a NaN or an infinity raises (PopTorch's IPU traps).",
+        "enableFloatingPointExceptions")
 
     @_unless_frozen
     def halfFloatCasting(self, half_float_casting: enums.HalfFloatCastingBehavior) -> Self:
@@ -192,9 +194,10 @@ class _PrecisionOptions(_OptionGroup):
 
     @_unless_frozen
     def enableFloatingPointExceptions(self, enabled: bool) -> Self:
-        """Inert: emulated IPUs do not trap on floating point exceptions; NaN and inf propagate
-        as in torch."""
-        self._record("floating_point_exceptions", _bool(enabled, "floating_point_exceptions"))
+        """Raise when a call's results hold a NaN or an infinity (on, as PopTorch's IPU traps on a
+        floating point exception), or let them propagate as torch does (off, the default). See
+        ``runtime/float_exceptions.py`` for what is checked."""
+        self._values["floating_point_exceptions"] = _bool(enabled, "floating_point_exceptions")
         return self
 
     @_unless_frozen

@@ -94,9 +94,9 @@ __all__ = ["ConfigFileError", "FailedCheck", "FrozenOptionsError", "InvalidArgum
 
 _OUTSIDE_THE_PROGRAM = frozenset({"random_seed", "profiling_dir", "executable_cache_dir",
                                   "show_compilation_progress_bar", "log_cycle_count",
-                                  "updatable_named_buffers"})
+                                  "updatable_named_buffers", "floating_point_exceptions"})
 """Settings that do not change a compiled program: the seed is one of its inputs; the others say
-where files go and what the host shows or measures around it."""
+where files go and what the host shows, measures or checks around it."""
 
 
 def _program_settings(settings: dict) -> list:
@@ -152,6 +152,7 @@ class Options(_OptionGroup):
             stochastic_rounding: bool = False,
             master_weights: bool = False,
             partials_type: str = "float",
+            floating_point_exceptions: bool = False,
             optimizer_on_chip: bool = True,
             weights_on_chip: bool = True,
             activations_on_chip: bool = True,
@@ -189,6 +190,7 @@ class Options(_OptionGroup):
         self.Precision.enableStochasticRounding(stochastic_rounding)
         self.Precision.enableMasterWeights(master_weights)
         self.Precision.setPartialsType(partials_type)
+        self.Precision.enableFloatingPointExceptions(floating_point_exceptions)
         on_chip = {"optimizer": optimizer_on_chip, "weight": weights_on_chip,
                    "activation": activations_on_chip, "accumulator": accumulators_on_chip}
         for kind, use in on_chip.items():
@@ -629,6 +631,7 @@ class Options(_OptionGroup):
             output_mode=None if mode is OutputMode.Default else _OUTPUT_MODES[mode],
             output_period=self.output_return_period or 1, auto_loss_scaling=training.auto_loss_scaling,
             stochastic_rounding=precision.stochastic_rounding, master_weights=precision.master_weights,
+            floating_point_exceptions=precision.floating_point_exceptions,
             optimizer_on_chip=self.TensorLocations.optimizer_on_chip, broadcast_buffers=self.broadcast_buffers,
             random_seed=self.random_seed, executable_cache_dir=self.executable_cache_dir,
             auto_round_num_ipus=self.auto_round_num_ipus,

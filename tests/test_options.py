@@ -232,8 +232,6 @@ _INERT_CALLS = [
     (lambda o: o.showCompilationProgressBar(False), "show_compilation_progress_bar", False),
     (lambda o: o.relaxOptimizerAttributesChecks(), "relax_optimizer_attributes_checks", True),
     (lambda o: o.Training.setConvolutionDithering(True), "convolution_dithering", True),
-    (lambda o: o.Precision.enableFloatingPointExceptions(True), "floating_point_exceptions",
-     True),
     (lambda o: o.TensorLocations.numIOTiles(64), "num_io_tiles", 64),
     (lambda o: o.TensorLocations.setActivationLocation(
         TensorLocationSettings().useOnChipStorage(False).useIOTilesToLoad()),

@@ -27,6 +27,7 @@ from ipu_backend.errors import Error
 from ipu_backend.runtime import (
     compile_progress,
     executable_cache,
+    float_exceptions,
     host_idle,
     memory,
     perf_counters,
@@ -436,6 +437,8 @@ class Executor:
         """The call itself and its tail: run, keep the state on the device, run the host work
         queued for the device time, bring the outputs to the host (and the new values of inputs
         the model updates in place into ``args``), and mark the times of each part."""
+        if self._settings.floating_point_exceptions:
+            float_exceptions.check_inputs(args)
         started = perf_counters.now()
         self._profiler.inputs_on_device(call_args)
         state, arrays, logs = compiled.executable(*call_args)
@@ -444,6 +447,8 @@ class Executor:
         self._keep(compiled, state)
         self._opt_states_on_host = not self._training
         self._store.update(state["params"], state["buffers"], compiled.packing, self)
+        if self._settings.floating_point_exceptions:
+            float_exceptions.check(state, arrays, logs)
         self.last_program = compiled.program
         host_idle.run_queued()
         jax.block_until_ready(arrays)

@@ -71,6 +71,7 @@ class RunSettings:
     output_period: int = 1
     auto_loss_scaling: bool = False
     stochastic_rounding: bool = False
+    floating_point_exceptions: bool = False   # a call whose results hold a NaN or an infinity raises
     master_weights: bool = False
     optimizer_on_chip: bool = True
     broadcast_buffers: bool = True
