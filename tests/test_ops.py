@@ -247,3 +247,32 @@ def test_multi_conv_errors_are_poptorch_s():
         poptorch.MultiConv().partialsTypes("half")
     with pytest.raises(AssertionError, match="Invalid plan type"):
         poptorch.MultiConv().planType("parallel")
+
+
+class _OverlapMisused(torch.nn.Module):
+    def __init__(self, case: str):
+        super().__init__()
+        self.case = case
+
+    def forward(self, x):
+        mode = poptorch.OverlapMode.OverlapAccumulationLoop
+        if self.case == "input read twice":
+            return x + 1, poptorch.set_overlap_for_input(x, mode)
+        if self.case == "not an input":
+            return poptorch.set_overlap_for_input(x + 1, mode)
+        if self.case == "returned twice":
+            y = x + 1
+            return y, poptorch.set_overlap_for_output(y, mode)
+        return poptorch.set_overlap_for_output(x + 1, mode) * 2       # not an output
+
+
+@pytest.mark.parametrize("case, message", [
+    ("input read twice", r"set_overlap_for_input must be the only op applied to an input\. This is not the "
+                         r"case for input 0 to the model\."),
+    ("not an input", r"set_overlap_for_input applied on a node which is not a tensor input to the model\."),
+    ("returned twice", r"set_overlap_for_output cannot be used with a tensor that is returned twice\."),
+    ("not an output", r"set_overlap_for_output applied on a node which is not a tensor output to the model\."),
+])
+def test_overlap_hints_on_what_is_not_a_model_input_or_output_raise_poptorchs_errors(case, message):
+    with pytest.raises(poptorch.Error, match=message):
+        poptorch.inferenceModel(_OverlapMisused(case))(torch.ones(2))

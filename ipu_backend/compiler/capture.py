@@ -263,6 +263,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         exported = decompose_to_core_aten(exported)
     loops.outline_loops(exported.graph_module)
     hints.check_multi_convs(exported.graph_module)
+    hints.check_overlaps(exported)
     exported.graph_module.meta[FLOAT32_PRECISION_KEY] = precision
     return exported
 

@@ -97,11 +97,43 @@ def check_multi_convs(graph_module: torch.fx.GraphModule) -> None:
                     "put the convolutions it should plan together inside it, or remove it")
 
 
-def _producer(node: torch.fx.Node) -> str:
-    """The operation whose output a hint marks (through other hints), as the reports name ops."""
+def check_overlaps(exported: torch.export.ExportedProgram) -> None:
+    """PopTorch's errors for ``set_overlap_for_input`` on anything but an input that nothing else
+    reads, and ``set_overlap_for_output`` on anything but a tensor the model returns once."""
+    user_inputs = [spec.arg.name for spec in exported.graph_signature.input_specs
+                   if spec.kind is torch.export.graph_signature.InputKind.USER_INPUT]
+    outputs = list(exported.graph_module.graph.output_node().args[0])
+    for node in exported.graph_module.graph.nodes:
+        if node.op != "call_function" or node.target is not HINT:
+            continue
+        source = _source(node)
+        if node.args[1] == "overlap_for_input":
+            if not isinstance(source, torch.fx.Node) or source.name not in user_inputs:
+                raise Error("poptorch.set_overlap_for_input applied on a node which is not a tensor input "
+                            "to the model.")
+            if len(source.users) > 1:
+                raise Error("poptorch.set_overlap_for_input must be the only op applied to an input. This is "
+                            f"not the case for input {user_inputs.index(source.name)} to the model.")
+        elif node.args[1] == "overlap_for_output":
+            if node not in outputs:
+                raise Error("poptorch.set_overlap_for_output applied on a node which is not a tensor output "
+                            "to the model.")
+            if outputs.count(node) > 1 or source in outputs:
+                raise Error("poptorch.set_overlap_for_output cannot be used with a tensor that is returned "
+                            "twice. Please check all returned tensors including those nested in tuples/lists.")
+
+
+def _source(node: torch.fx.Node):
+    """What a hint marks, through other hints."""
     source = node.args[0]
     while isinstance(source, torch.fx.Node) and source.target is HINT:
         source = source.args[0]
+    return source
+
+
+def _producer(node: torch.fx.Node) -> str:
+    """The operation whose output a hint marks (through other hints), as the reports name ops."""
+    source = _source(node)
     if not isinstance(source, torch.fx.Node):
         return "constant"
     if source.op == "placeholder":
