@@ -63,12 +63,13 @@ class ExecutionCounters:
     def getPerfCounters(self) -> dict:  # noqa: N802
         """Timestamps (seconds, ``time.perf_counter``) of the last call: ``input``,
         ``input_complete``, ``output`` and ``output_complete``, each a list per input (or output)
-        tensor of one value per step."""
+        tensor of one value per step, as PopTorch counts them: each micro-batch of each replica
+        for the inputs, the output mode's steps on each replica for the outputs."""
         marks, compiled = self._last_marks, self._timed_program()
         if marks is None or compiled is None:
             return {"input": [[]], "input_complete": [[]], "output": [[]], "output_complete": [[]]}
         schedule = self._schedule()
-        input_steps = schedule.device_iterations * schedule.accumulation
+        input_steps = schedule.device_iterations * schedule.accumulation * schedule.replicas
         output_steps = self._output_steps(schedule)
         spread = [marks.launched + (marks.ready - marks.launched) * (i + 1) / output_steps
                   for i in range(output_steps)]
@@ -108,12 +109,15 @@ class ExecutionCounters:
 
     @staticmethod
     def _output_steps(schedule) -> int:
+        """Output steps as PopTorch counts them, on each replica: every micro-batch (All), those
+        of every Nth device iteration (EveryN), one (Final, Sum)."""
         mode = schedule.output_mode
         if mode == "all":
-            return schedule.device_iterations
+            return schedule.device_iterations * schedule.accumulation * schedule.replicas
         if mode == "every_n":
-            return max(1, schedule.device_iterations // schedule.output_period)
-        return 1
+            iterations = max(1, schedule.device_iterations // schedule.output_period)
+            return iterations * schedule.accumulation * schedule.replicas
+        return schedule.replicas
 
     def _latency(self, start: str, start_reduce, end: str, end_reduce) -> tuple:
         """PopTorch's latency figures between two counters: per output step, the earliest of its

@@ -55,6 +55,22 @@ def test_compilation_time_and_cycle_count_with_poptorch_errors():
     assert timed.getComputeLatency()[1] <= high and timed.getHostIpuLatency()[0] >= 0
 
 
+@pytest.mark.parametrize("mode, output_steps", [(poptorch.OutputMode.All, 8), (poptorch.OutputMode.Final, 2),
+                                                 (poptorch.OutputMode.EveryN, 4)])
+def test_perf_counters_count_each_micro_batch_of_each_replica_as_poptorch(mode, output_steps):
+    """PopTorch's counts: inputs per micro-batch of each replica (2 iterations x 2 accumulated x 2
+    replicas), outputs per the output mode's steps on each replica."""
+    opts = poptorch.Options().deviceIterations(2).replicationFactor(2).outputMode(mode, 2)
+    opts.Training.gradientAccumulation(2)
+    model = Summed()
+    executor = poptorch.trainingModel(model, opts, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    executor(torch.ones(16, 2))
+    counters = executor.getPerfCounters()
+    assert [len(steps) for steps in counters["input"]] == [8]
+    assert [len(steps) for steps in counters["output"]] == [len(steps) for steps in counters["output_complete"]] \
+        == [output_steps]
+
+
 def test_rng_state_replays_random_numbers():
     model = poptorch.inferenceModel(Noisy())
     x = torch.ones(4, 4)
