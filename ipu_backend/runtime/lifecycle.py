@@ -446,7 +446,8 @@ class Executor:
         self._profiler.computed(state, arrays, logs)
         self._keep(compiled, state)
         self._opt_states_on_host = not self._training
-        self._store.update(state["params"], state["buffers"], compiled.packing, self)
+        self._store.update(state["params"], state["buffers"], compiled.packing, self,
+                           changed=self._training or bool(compiled.program.mutated_buffers))
         if self._settings.floating_point_exceptions:
             float_exceptions.check(state, arrays, logs)
         self.last_program = compiled.program

@@ -106,11 +106,17 @@ class WeightStore:
             self.buffers = {**self.buffers, **{name: to_jax(host[name], f"buffer {name}") for name in names}}
             self._agree((name, host[name]) for name in names)
 
-    def update(self, params: dict, buffers: dict, packing: Packing = Packing(), writer=None) -> None:
+    def update(self, params: dict, buffers: dict, packing: Packing = Packing(), writer=None,
+               changed: bool = True) -> None:
         """New weights computed on the device (parameters laid out as ``packing`` says) by the
         call of the executor ``writer``; the host copy is refreshed lazily. Host writes made
-        before this call, which ran without them, count as seen: copying back overwrites them."""
+        before this call, which ran without them, count as seen: copying back overwrites them.
+        ``changed=False``: the call returned the weights it took (an inference call that updates
+        no buffer): the host copy stays as fresh as it was, and host writes not yet loaded still
+        reach the device at the next call."""
         self.params, self.buffers, self.packing = params, buffers, packing
+        if not changed:
+            return
         self.host_stale = True
         self._writer = None if writer is None else weakref.ref(writer)
         self._agreed = {name: (tensor, tensor._version, tensor.data_ptr())

@@ -195,6 +195,37 @@ def test_a_second_training_wrapper_waits_for_the_first_to_be_destroyed():
         torch.testing.assert_close(got.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
 
 
+class Counting(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 2)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.layer(x)
+
+
+def test_an_inference_call_leaves_the_host_weights_fresh_unless_it_updates_a_buffer():
+    """As in PopTorch, inference does not make the host's weights stale (no copy back for nothing);
+    a buffer the call updates is brought back, as torch eager counts it."""
+    plain = torch.nn.Linear(2, 2)
+    executor = poptorch.inferenceModel(plain)
+    x = torch.randn(3, 2)
+    executor(x)
+    executor(x)
+    assert executor.copyWeightsToHostIfNeeded() is False
+    torch.testing.assert_close(executor(x), plain(x).detach())
+    counting, eager = Counting(), Counting()
+    eager.load_state_dict(counting.state_dict())
+    counted = poptorch.inferenceModel(counting)
+    for _ in range(2):
+        counted(x)
+        eager(x)
+    assert counted.copyWeightsToHostIfNeeded() is True
+    assert float(counting.calls) == float(eager.calls) == 2.0
+
+
 def test_repr_shows_begin_blocks_and_compile_hooks_run():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
     poptorch.BeginBlock(model[1], "second", ipu_id=1)
