@@ -112,11 +112,11 @@ class ExecutionCounters:
         """Output steps as PopTorch counts them, on each replica: every micro-batch (All), those
         of every Nth device iteration (EveryN), one (Final, Sum)."""
         mode = schedule.output_mode
+        per_iteration = schedule.accumulation * schedule.replicas      # micro-batches of every replica
         if mode == "all":
-            return schedule.device_iterations * schedule.accumulation * schedule.replicas
+            return schedule.device_iterations * per_iteration
         if mode == "every_n":
-            iterations = max(1, schedule.device_iterations // schedule.output_period)
-            return iterations * schedule.accumulation * schedule.replicas
+            return max(1, schedule.device_iterations // schedule.output_period) * per_iteration
         return schedule.replicas
 
     def _latency(self, start: str, start_reduce, end: str, end_reduce) -> tuple:
