@@ -38,7 +38,7 @@ from ipu_backend.runtime.outputs import check_index_inputs, host_inputs, inputs_
 from ipu_backend.runtime.packing import Packing, stacks_for_optimizer
 from ipu_backend.runtime.random_state import restore_random_state
 from ipu_backend.runtime.recording import SINGLE_IPU
-from ipu_backend.runtime.schedule import Schedule
+from ipu_backend.runtime.schedule import OUTPUT_MODE_NAMES, Schedule
 from ipu_backend.runtime.stages import has_blocks
 from ipu_backend.runtime.replica_buffers import ReplicaBuffers
 from ipu_backend.runtime.step import OutputLayout, forward_with_constants, inference_call, initial_scaler
@@ -514,10 +514,10 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         forward = forward_with_constants(program, micro)
         dtypes = [n.meta["val"].dtype for n in program.result_arrays()]
         if program.mutated_inputs:
-            if schedule.factor != 1:
+            if schedule.factor != 1 and schedule.output_mode != "all":
                 program.refuse_mutated_inputs(
-                    "a call of several micro-batches (deviceIterations × replicationFactor × "
-                    "gradientAccumulation > 1)")
+                    f"a call of several micro-batches with OutputMode.{OUTPUT_MODE_NAMES[schedule.output_mode]} "
+                    "(it returns some micro-batches' results; OutputMode.All returns them all)")
             leaves = torch_pytree.tree_leaves(micro)
             dtypes += [leaves[i].dtype for i in program.mutated_inputs]
         log_dtypes = program.logged_dtypes()

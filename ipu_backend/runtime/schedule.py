@@ -19,6 +19,10 @@ import numpy as np
 from ipu_backend.runtime.replica_groups import group_of_replica
 
 
+OUTPUT_MODE_NAMES = {"all": "All", "final": "Final", "sum": "Sum", "every_n": "EveryN"}
+"""A schedule's ``output_mode`` -> its name in ``poptorch.OutputMode``, for messages."""
+
+
 @dataclass(frozen=True)
 class Schedule:
     """How one host call is split: D device iterations × A micro-batches × R replicas, the

@@ -39,10 +39,62 @@ def test_inputs_updated_in_place_reach_the_caller_in_training_and_inference():
     torch.testing.assert_close(counter, torch.full((1,), 2, dtype=torch.int32))
 
 
-def test_several_micro_batches_per_call_refuse_input_updates():
-    model = poptorch.inferenceModel(Updating(), poptorch.Options().deviceIterations(2))
+class _UpdatingRows(torch.nn.Module):
+    """Updates its input with a sum over the micro-batch: the new values tell micro-batches apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 3)
+
+    def forward(self, x, counter):
+        counter += x.sum()
+        out = self.layer(x + 0)          # torch's backward of the layer must not see x change
+        x.add_(x.sum(0, keepdim=True))
+        return out, out.pow(2).mean()
+
+
+@pytest.mark.parametrize("iterations, replicas, accumulation, training", [
+    (2, 1, 1, False), (2, 2, 1, False), (2, 2, 2, True)])
+def test_several_micro_batches_update_their_rows_of_the_inputs_with_output_mode_all(
+        iterations, replicas, accumulation, training):
+    """Each micro-batch's new values reach its rows of the caller's tensors, as PopTorch copies the
+    anchored new values back; torch eager runs the micro-batches one after another."""
+    torch.manual_seed(0)
+    model = _UpdatingRows()
+    reference = copy.deepcopy(model)
+    count, rows = iterations * replicas * accumulation, 2
+    x, counter = torch.randn(count * rows, 3), torch.zeros(count, 1)
+    x_eager, counter_eager = x.clone(), counter.clone()
+    options = poptorch.Options().deviceIterations(iterations).replicationFactor(replicas)
+    options.outputMode(poptorch.OutputMode.All)
+    if training:
+        options.Training.gradientAccumulation(accumulation)
+        ipu = poptorch.trainingModel(model, options, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    else:
+        ipu = poptorch.inferenceModel(model, options)
+    out, _ = ipu(x, counter)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    expected, per_step = [], replicas * accumulation
+    for i in range(count):           # each device iteration's micro-batches, then its optimizer step
+        result, loss = reference(x_eager[i * rows:(i + 1) * rows], counter_eager[i:i + 1])
+        expected.append(result)
+        (loss / per_step).backward()
+        if training and (i + 1) % per_step == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    torch.testing.assert_close(out, torch.cat(expected).detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x, x_eager, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(counter, counter_eager, rtol=1e-6, atol=1e-6)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_several_micro_batches_returning_some_results_refuse_input_updates():
+    updating = Updating()
+    model = poptorch.trainingModel(updating, poptorch.Options().deviceIterations(2),
+                                   optimizer=torch.optim.SGD(updating.parameters(), lr=0.1))
     with pytest.raises(poptorch.Error, match=r"updates its input\(s\) \[0, 1\] in place, which a call of "
-                                             "several micro-batches"):
+                                             r"several micro-batches with OutputMode.Final"):
         model(torch.randn(4, 3), torch.zeros(2, 1))
 
 
