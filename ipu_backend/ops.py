@@ -1,5 +1,6 @@
 """PopTorch's ops and helpers for use inside a model's ``forward``: printing, planning hints,
-serialized matrix products, dynamic slices, name scopes and ``isRunningOnIpu``.
+serialized matrix products, dynamic slices, the CTC beam search decoder, name scopes and
+``isRunningOnIpu``.
 
 Planning hints (``nop``, ``set_available_memory``, ``set_overlap_for_input/output``) and the
 serialization asked of ``serializedMatMul`` are recorded in the compile report
@@ -9,7 +10,7 @@ serialization asked of ``serializedMatMul`` are recorded in the compile report
 import torch
 import torch.utils._pytree as torch_pytree
 
-from ipu_backend.compiler import dynamic_slicing, hints
+from ipu_backend.compiler import ctc_decoding, dynamic_slicing, hints
 from ipu_backend.compiler.capture import capturing
 from ipu_backend.compiler.host_calls import HostFunction, host_call
 from ipu_backend.compiler.tensor_print import FLOAT_FORMATS, print_tensor
@@ -203,6 +204,46 @@ def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int, start: torc
         raise Error(f"dynamic_update: src has {src.shape[dim]} elements along dimension {dim}, "
                     f"size is {size}; they must be equal")
     return dynamic_slicing.dynamic_update(input, src, dim, start, size)
+
+
+def _check_count(name: str, value, low: int, high: int | None = None) -> None:
+    if (isinstance(value, bool) or not isinstance(value, int) or value < low
+            or (high is not None and value > high)):
+        bounds = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise Error(f"ctc_beam_search_decoder: {name} must be an int {bounds}, got {value!r}")
+
+
+def ctc_beam_search_decoder(probs: torch.Tensor, lengths: torch.Tensor, blank: int = 0, beam_width: int = 100,
+                            top_paths: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``top_paths`` most probable label sequences of a CTC beam search (``beam_width``
+    beams) over log probabilities ``probs`` ``[input_length, batch_size, num_classes]``, using
+    the first ``lengths[b]`` (``[batch_size]``) time steps of each batch element.
+
+    Returns the paths' log probabilities ``[batch_size, top_paths]`` (``probs``' dtype), their
+    lengths ``[batch_size, top_paths]`` and the labels ``[batch_size, top_paths, input_length]``
+    (int32, zero padded), best first. As Poplibs' decoder: a prefix beam search over the log
+    probabilities as given; a path that does not exist has log probability ``-inf`` and length 0.
+    No gradient, as in PopTorch."""
+    if not isinstance(probs, torch.Tensor):
+        raise Error("ctc_beam_search_decoder: probs must be a torch.tensor argument. "
+                    f"{type(probs)} is not supported.")
+    if not isinstance(lengths, torch.Tensor):
+        raise Error("ctc_beam_search_decoder: lengths must be a torch.tensor argument. "
+                    f"{type(lengths)} is not supported.")
+    if probs.dim() != 3:
+        raise Error("Incorrect shape for first input to CTC beam search decoder: probs must be "
+                    f"[input_length, batch_size, num_classes], got shape {tuple(probs.shape)}")
+    if not probs.is_floating_point():
+        raise Error(f"ctc_beam_search_decoder: probs must hold floating point log probabilities, got "
+                    f"dtype {probs.dtype}")
+    if lengths.shape != probs.shape[1:2] or lengths.is_floating_point() or lengths.is_complex() \
+            or lengths.dtype == torch.bool:
+        raise Error("ctc_beam_search_decoder: lengths must be an integer tensor of shape [batch_size] "
+                    f"({probs.shape[1]}), got dtype {lengths.dtype} and shape {tuple(lengths.shape)}")
+    _check_count("blank", blank, 0, probs.shape[2] - 1)
+    _check_count("beam_width", beam_width, 1)
+    _check_count("top_paths", top_paths, 1, beam_width)
+    return ctc_decoding.ctc_beam_search_decoder(probs, lengths, blank, beam_width, top_paths)
 
 
 class NameScope:

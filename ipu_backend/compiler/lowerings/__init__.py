@@ -7,6 +7,7 @@ from ipu_backend.compiler.lowerings import (  # noqa: F401
     convolution,
     counting,
     creation,
+    ctc_decoding,
     dynamic_slicing,
     elementwise,
     host_calls,
