@@ -16,9 +16,8 @@ Every PopTorch setting is one of three kinds:
   IPUs (``useIpuModel``, ``logDir``, ``_Popart.set``, ...). Accepted so that PopTorch scripts run
   unchanged, checked as PopTorch checks them, recorded (``opts.toDict()["recorded"]``, and read
   back by PopTorch's attribute name, e.g. ``opts.log_dir``), and otherwise without effect;
-* **not emulated**: settings that would change the numbers a program computes (synthetic data,
-  input replica grouping) raise :class:`ipu_backend.Error` naming the
-  option, rather than being silently ignored.
+* **not emulated**: settings that would change the numbers a program computes raise
+  :class:`ipu_backend.Error` naming the option, rather than being silently ignored.
 
 As in PopTorch, the environment variable ``POPTORCH_DEFAULT_OPTIONS`` holds a JSON object of
 setters (see :meth:`Options.from_json`) applied to every new ``Options``.
@@ -392,12 +391,13 @@ class Options(_OptionGroup):
         self._values["loop_repeated_layers"] = _bool(enabled, "loop_repeated_layers")
         return self
 
-    # PopTorch settings that would change the numbers and are not emulated.
+    # Where the data of a call comes from.
 
     @_unless_frozen
     def enableSyntheticData(self, enabled: bool) -> Self:
-        """Recorded as PopART's ``syntheticDataMode`` (random normal inputs made on the device in
-        place of the host's); a model run with it raises, as synthetic data is not emulated."""
+        """PopART's ``syntheticDataMode`` (2 when ``enabled``): no host I/O; each input is random
+        normal data made on the device (integer inputs zeros), and the caller gets zeros for the
+        outputs (``runtime/synthetic_data.py``). For measuring a model as if its data cost nothing."""
         self._Popart.set("syntheticDataMode", 2 if _bool(enabled, "enabled") else 0)
         return self
 
@@ -640,7 +640,7 @@ class Options(_OptionGroup):
             loop_repeated_layers=self.loop_repeated_layers,
             updatable_named_buffers=tuple(self.updatable_named_buffers), log_cycle_count=self.log_cycle_count,
             show_compilation_progress=self.show_compilation_progress_bar,
-            synthetic_data=bool(self._Popart.options.get("syntheticDataMode", 0)),
+            synthetic_data=int(self._Popart.options.get("syntheticDataMode", 0)),
             input_group_size=self.input_group_size,
             input_groups_orthogonal=self.input_group_type is CommGroupType.Orthogonal,
             key=repr((_program_settings(self.toDict()), self.Distributed.numProcesses)))

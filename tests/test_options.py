@@ -279,11 +279,10 @@ def test_poptorch_checks_of_inert_settings():
         Options().replicationFactor(4).inputReplicaGrouping(3, CommGroupType.Consecutive)
 
 
-def test_settings_that_would_change_numerics_are_refused_by_name():
+def test_synthetic_data_and_input_grouping_are_read_back_and_undone():
     synthetic = Options().enableSyntheticData(True)
     assert synthetic._Popart.options["syntheticDataMode"] == 2 and repr(synthetic) != repr(Options())
-    with pytest.raises(Error, match=r"enableSyntheticData\(True\) \(PopART's syntheticDataMode\) is not emulated"):
-        ipu_backend.inferenceModel(torch.nn.Linear(2, 2), synthetic)
+    assert synthetic.runtime_settings().synthetic_data == 2
     opts = Options().replicationFactor(4)
     assert opts.enableSyntheticData(False).inputReplicaGrouping(
         4, CommGroupType.NoGrouping).inputReplicaGrouping(1, CommGroupType.Consecutive) == opts

@@ -123,7 +123,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         groups = self._param_groups()
         with self._compilation():
             compiled, inputs = self._compile(args, groups, keywords)
-            if compiled.program.index_inputs:
+            if compiled.program.index_inputs and self._synthetic is None:      # else never read
                 check_index_inputs(args, compiled.program.index_inputs)
             if not self._attached:
                 self.attachToDevice()
@@ -417,13 +417,14 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
     def _call_arguments(self, compiled: CompiledStep, args: tuple, groups: tuple | None,
                         advance: bool = True, place_inputs: bool = True) -> tuple:
         """What the compiled call takes: device state, the combined batch (on the mesh if
-        ``place_inputs``, else host arrays that the compiled call copies itself), the optimizer's
-        current hyper-parameters (training), the executor's random key and the call's index (the
-        program folds them into this call's key)."""
+        ``place_inputs``, else host arrays that the compiled call copies itself; made on the device
+        under synthetic data), the optimizer's current hyper-parameters (training), the executor's
+        random key and the call's index (the program folds them into this call's key)."""
         schedule = self._schedule()
         mesh = None if compiled.multi_ipu else self._mesh()
         place_inputs = place_inputs or schedule.processes > 1    # a program over processes takes global arrays
-        inputs = inputs_to_device(args, schedule, mesh) if place_inputs else host_inputs(args, schedule)
+        inputs = (self._synthetic.inputs(compiled.program, args, schedule, mesh) if self._synthetic else
+                  inputs_to_device(args, schedule, mesh) if place_inputs else host_inputs(args, schedule))
         key = self._base_key()
         index = np.uint32(self._next_call_index() if advance else 0)
         self._start(compiled.packing)

@@ -33,6 +33,7 @@ from ipu_backend.runtime import (
     perf_counters,
     processes,
     program_cache,
+    synthetic_data,
 )
 from ipu_backend.runtime.devices import replica_mesh
 from ipu_backend.runtime.optimizers import notice_subclass
@@ -234,6 +235,8 @@ class Executor:
             seed = int(processes.from_first_process(np.int32(seed)))
         self._seed = seed
         """Options.randomSeed, else drawn from torch's generator; over several processes, process 0's."""
+        self._synthetic = synthetic_data.for_settings(self._settings.synthetic_data, seed)
+        """The inputs made on the device under ``Options.enableSyntheticData`` (None: the caller's)."""
         self._key = None
         self._calls_made = 0
         self._started = False
@@ -287,10 +290,7 @@ class Executor:
     # --- for each kind ---------------------------------------------------------------------
     def _check_settings(self) -> None:
         """Refuse settings this kind cannot honour (before anything else is set up)."""
-        if self._settings.synthetic_data:
-            raise Error("Options.enableSyntheticData(True) (PopART's syntheticDataMode) is not emulated: "
-                        "it replaces the host's data with random data, which changes every result. "
-                        "Remove it to run on the data given")
+        synthetic_data.check_mode(self._settings.synthetic_data, self._settings.processes)
 
     def _check_processes(self) -> None:
         """Several processes (``Options.Distributed``) must be the ones JAX connects."""
@@ -437,7 +437,7 @@ class Executor:
         """The call itself and its tail: run, keep the state on the device, run the host work
         queued for the device time, bring the outputs to the host (and the new values of inputs
         the model updates in place into ``args``), and mark the times of each part."""
-        if self._settings.floating_point_exceptions:
+        if self._settings.floating_point_exceptions and self._synthetic is None:
             float_exceptions.check_inputs(args)
         started = perf_counters.now()
         self._profiler.inputs_on_device(call_args)
@@ -454,13 +454,15 @@ class Executor:
         host_idle.run_queued()
         jax.block_until_ready(arrays)
         ready = perf_counters.now()
-        self.last_logs = {name: output_to_host(value, compiled.log_dtypes[name]) for name, value in logs.items()}
-        outputs = [output_to_host(a, d) for a, d in zip(arrays, compiled.output_dtypes)]
+        to_host = output_to_host if self._synthetic is None else synthetic_data.unwritten_output
+        self.last_logs = {name: to_host(value, compiled.log_dtypes[name]) for name, value in logs.items()}
+        outputs = [to_host(a, d) for a, d in zip(arrays, compiled.output_dtypes)]
         self._last_marks = perf_counters.CallMarks(len(args), started, launched, ready, perf_counters.now())
         self._profiler.finished(compiled.facts, call_args)
         result = compiled.layout.join(outputs)
-        if compiled.program.mutated_inputs:
-            result = _copy_back_inputs(result, args, compiled.program.mutated_inputs)
+        if compiled.program.mutated_inputs:         # under synthetic data the caller's tensors stay as they are
+            result = (_copy_back_inputs(result, args, compiled.program.mutated_inputs) if self._synthetic is None
+                      else result[0])
         return result
 
     def _optimizer_states_to_host(self) -> None:

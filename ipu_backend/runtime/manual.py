@@ -223,6 +223,9 @@ class ManualStepExecutor(Executor):
         if self._settings.processes > 1:
             raise Error("manual optimization runs in one process: its replicas cannot be spread over "
                         f"{self._settings.processes} processes (Options.Distributed, Trainer(num_nodes=...))")
+        if self._settings.synthetic_data:
+            raise Error("Options.enableSyntheticData(True) is not emulated with manual optimization "
+                        "(automatic_optimization = False): remove enableSyntheticData, or use automatic optimization")
         if self._settings.gradient_accumulation != 1:
             raise Error("gradient accumulation is not available with manual optimization: accumulate "
                         "in the training step (several manual_backward calls before a step)")

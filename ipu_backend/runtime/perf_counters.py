@@ -64,13 +64,16 @@ class ExecutionCounters:
         """Timestamps (seconds, ``time.perf_counter``) of the last call: ``input``,
         ``input_complete``, ``output`` and ``output_complete``, each a list per input (or output)
         tensor of one value per step, as PopTorch counts them: each micro-batch of each replica
-        for the inputs, the output mode's steps on each replica for the outputs."""
+        for the inputs, the output mode's steps on each replica for the outputs; none under
+        synthetic data, which copies nothing between host and device."""
         marks, compiled = self._last_marks, self._timed_program()
         if marks is None or compiled is None:
             return {"input": [[]], "input_complete": [[]], "output": [[]], "output_complete": [[]]}
         schedule = self._schedule()
         input_steps = schedule.device_iterations * schedule.accumulation * schedule.replicas
         output_steps = self._output_steps(schedule)
+        if self._settings.synthetic_data:
+            input_steps = output_steps = 0
         spread = [marks.launched + (marks.ready - marks.launched) * (i + 1) / output_steps
                   for i in range(output_steps)]
         inputs = max(1, marks.inputs)

@@ -86,7 +86,7 @@ class RunSettings:
     updatable_named_buffers: tuple[str, ...] = ()   # what copyNamedBuffersToDevice copies
     log_cycle_count: bool = False           # cycleCount answers
     show_compilation_progress: bool = True  # showCompilationProgressBar: the display; compilationTime answers
-    synthetic_data: bool = False            # PopART's syntheticDataMode: refused by the executors
+    synthetic_data: int = 0                 # PopART's syntheticDataMode (runtime/synthetic_data.py)
     input_group_size: int = 1               # replicas sharing each share of the input (inputReplicaGrouping)
     input_groups_orthogonal: bool = False   # input groups are CommGroupType.Orthogonal, else Consecutive
     key: str = ""
