@@ -55,6 +55,8 @@ class IPUPrecision(Precision):
         self.mixed = kind == "mixed"
         self.gradient_clipping: tuple[float, str] | None = None
         """``(value, algorithm)`` compiled into the training step, set by the strategy."""
+        self.shown_gradients = None
+        """The strategy's ``_gradient_hooks.ShownGradients`` when gradient hooks are overridden."""
 
     @property
     def loss_scaling(self) -> bool:
@@ -96,13 +98,18 @@ class IPUPrecision(Precision):
 
     @override
     def backward(self, tensor: torch.Tensor, model, optimizer, *args: Any, **kwargs: Any) -> None:
-        """The compiled step differentiated the loss already."""
+        """The compiled step differentiated the loss already; gradient hooks see its gradients
+        from here (``_gradient_hooks.py``)."""
+        if self.shown_gradients is not None:
+            self.shown_gradients.show(model)
 
     @override
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """Run the closure: its training step runs forward, backward and the update on the IPUs."""
         closure_result = closure()
         self._after_closure(model, optimizer)
+        if self.shown_gradients is not None:
+            self.shown_gradients.check_unchanged()
         # The update happened on the IPUs: tell torch's LR schedulers, which otherwise warn that
         # they step before the optimizer does.
         optimizer._opt_called = True

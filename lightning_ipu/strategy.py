@@ -81,7 +81,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import ipu_backend
 from ipu_backend import lightning_seam as seam
-from lightning_ipu import _compile_progress, _counters, _data, _loop_progress, _metrics, _outputs, _processes, _short_batches
+from lightning_ipu import _compile_progress, _counters, _data, _gradient_hooks, _loop_progress, _metrics, _outputs
+from lightning_ipu import _processes, _short_batches
 
 from .precision import IPUPrecision
 
@@ -164,6 +165,7 @@ class IPUStrategy(ParallelStrategy):
         plugin's attribute): validation and sanity checking share one."""
         self._manual_events: seam.StepEvents | None = None
         self._gradient_clipping: seam.GradientClipping | None = None
+        self._shown_gradients: _gradient_hooks.ShownGradients | None = None
         self._trainer = None
         self._accumulate_grad_batches: int | None = None
         self._num_nodes = 1
@@ -425,6 +427,10 @@ class IPUStrategy(ParallelStrategy):
             self._gradient_clipping = seam.GradientClipping(float(clip_val), algorithm)
         self.precision_plugin.gradient_clipping = None if self._gradient_clipping is None else (
             self._gradient_clipping.value, self._gradient_clipping.algorithm)
+        module = self.lightning_module
+        hooks = _gradient_hooks.hooks_read_gradients(module, trainer.callbacks) if module.automatic_optimization else []
+        self._shown_gradients = _gradient_hooks.ShownGradients(hooks) if hooks else None
+        self.precision_plugin.shown_gradients = self._shown_gradients
 
     @override
     def teardown(self) -> None:
@@ -462,6 +468,8 @@ class IPUStrategy(ParallelStrategy):
         iterations = self._training_opts.device_iterations
         if self.lightning_module.automatic_optimization:
             _loop_progress.count_extra_optimizer_steps(self._trainer, iterations - 1, iterations - 1)
+            if self._shown_gradients is not None:
+                self._shown_gradients.arrived(self._executors["training_step"].gradients())
         else:
             self._after_manual_step(self._executors["training_step"].last_events, iterations)
         return output
@@ -565,7 +573,8 @@ class IPUStrategy(ParallelStrategy):
             executor = seam.step_executor(
                 self.lightning_module, self._training_opts if training else self._inference_opts, method,
                 training, optimizer=self.optimizers[0] if training else None,
-                gradient_clipping=self._gradient_clipping if training else None)
+                gradient_clipping=self._gradient_clipping if training else None,
+                keep_gradients=training and self._shown_gradients is not None)
             self._executors[method] = executor
         return executor
 

@@ -28,14 +28,12 @@ from ipu_backend.runtime.lifecycle import (
     input_signature,
     optimizer_state,
 )
-from ipu_backend.runtime.loss import find_loss, parameters_without_gradient
 from ipu_backend.runtime.module_modes import capture_modes
 from ipu_backend.runtime.module_repr import module_repr
 from ipu_backend.runtime.multi_ipu_builder import build, check_ipu_count
-from ipu_backend.runtime.algorithms import optimizer_rule
 from ipu_backend.runtime.optimizers import needs_running_mean, notice_subclass
 from ipu_backend.runtime.outputs import check_index_inputs, host_inputs, inputs_to_device
-from ipu_backend.runtime.packing import Packing, stacks_for_optimizer
+from ipu_backend.runtime.packing import Packing, kept_gradients
 from ipu_backend.runtime.random_state import restore_random_state
 from ipu_backend.runtime.recording import SINGLE_IPU
 from ipu_backend.runtime.schedule import OUTPUT_MODE_NAMES, Schedule
@@ -43,6 +41,7 @@ from ipu_backend.runtime.stages import has_blocks
 from ipu_backend.runtime.replica_buffers import ReplicaBuffers
 from ipu_backend.runtime.step import OutputLayout, forward_with_constants, inference_call, initial_scaler
 from ipu_backend.runtime.step import master_copy, training_call
+from ipu_backend.runtime.update_rules import packed_rule, rule_and_loss
 from ipu_backend.runtime.weights import claim_for_training, refuse_second_training_wrapper
 from ipu_backend.runtime.xla_compile import compile_lowered, executables_from
 
@@ -51,16 +50,19 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
     """What ``trainingModel``/``inferenceModel`` return: call it like the model."""
 
     def __init__(self, model: torch.nn.Module, options, training: bool, optimizer=None,
-                 step_method: str | None = None, gradient_clipping=None, recorder=None):
+                 step_method: str | None = None, gradient_clipping=None, recorder=None, keep_gradients: bool = False):
         if training and optimizer is None:
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         wrapper = training and step_method is None         # a trainingModel: one per module at a time
         if wrapper:
             refuse_second_training_wrapper(model)
         super().__init__(model, options, training, step_method, recorder, optimizer if training else None)
-        self._made_with = (model, options, training, optimizer, step_method, gradient_clipping, self._profiler)
+        self._made_with = (model, options, training, optimizer, step_method, gradient_clipping, self._profiler,
+                           keep_gradients)
         self._gradient_clipping = gradient_clipping
         """A ``runtime.clipping.GradientClipping`` applied before each optimizer update, or None."""
+        self._keep_gradients, self._gradients = keep_gradients, None
+        """Whether a training call keeps its last optimizer step's gradients (:meth:`gradients`)."""
         self._optimizer = optimizer
         self._last_signature = None
         self._opt_state = None
@@ -340,6 +342,8 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         return (self._opt_state["rule"] if self._schedule().master_weights else self._opt_state,)
 
     def _keep(self, compiled: CompiledStep, state: dict) -> None:
+        if "grads" in state:
+            self._gradients = (state.pop("grads"), compiled.packing)
         if self._training:
             self._opt_state, self._scaler = state["opt"], state["scaler"]
         self._resident = None if compiled.multi_ipu else state
@@ -350,6 +354,12 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         if self._offloads_optimizer_state(compiled):
             host_memory = NamedSharding(self._mesh(), P(), memory_kind="pinned_host")
             self._opt_state = jax.device_put(self._opt_state, host_memory)
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """With ``keep_gradients``: the last training call's last optimizer step's gradients, as
+        its update took them (averaged over micro-batches and replicas, unscaled, not yet clipped),
+        by parameter name; empty before the first call."""
+        return {} if self._gradients is None else kept_gradients(*self._gradients, self._user_model)
 
     # --- internals -------------------------------------------------------------------------
     def _refuse_if_destroyed(self) -> None:
@@ -378,7 +388,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
 
     def _cache_key(self, args: tuple, groups: tuple | None, keywords: tuple) -> tuple:
         structure = None if groups is None else (groups[0],) + tuple(group[0] for group in groups[1:])
-        return (self._training, self._step_method, self._settings.key, structure, self._gradient_clipping,
+        return (self._training, self._step_method, self._settings.key, structure, self._gradient_clipping, self._keep_gradients,
                 float32_precision.program_key(), input_signature(args), keywords,
                 tuple(self._weight_groupings.items()))
 
@@ -482,7 +492,8 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         rule, loss_index, without_gradient = self._rule_and_loss(program)
         shared_key = None if program.identity is None else (
             program.identity, self._training, self._step_method, self._settings.key,
-            None if rule is None else rule.structure, self._gradient_clipping, float32_precision.program_key(),
+            None if rule is None else rule.structure, self._gradient_clipping, self._keep_gradients,
+            float32_precision.program_key(),
             input_signature(micro), keywords, current_options(), tuple(self._weight_groupings.items()))
         shared = None if shared_key is None else program_cache.SHARED.get(shared_key)
         if shared is not None:
@@ -536,6 +547,10 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             raise Error("a model split over IPUs (BeginBlock, Block, Stage) cannot branch in Python on "
                         f"batch_idx, current_epoch or global_step (at {program.guards[0].location}): "
                         "choose the value with torch.where instead")
+        if has_blocks(program.graph_module) and self._keep_gradients:
+            raise Error("a model split over IPUs (BeginBlock, Block, Stage) keeps each stage's gradients on its own "
+                        "IPU: the host cannot read them (.grad in Lightning's on_after_backward or "
+                        "on_before_optimizer_step hooks); read them on a single-IPU model")
         if has_blocks(program.graph_module):        # split over IPUs
             with self._stage_programs_cached(shared_key) as stage_programs:
                 multi = self._split_program(micro, schedule, program, rule, loss_index)
@@ -548,30 +563,17 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             return CompiledStep(inference_call(forward, schedule, mesh, layout, totals, views), program, layout, dtypes,
                                 log_dtypes, packing=Packing(program.stacks))
         packing, rule = self._packed_rule(program, without_gradient)
-        call = training_call(forward, loss_index, rule, schedule, mesh, layout, totals, views)
+        call = training_call(forward, loss_index, rule, schedule, mesh, layout, totals, views, self._keep_gradients)
         return CompiledStep(call, program, layout, dtypes, log_dtypes, (rule,), packing=packing)
 
     def _packed_rule(self, program, without_gradient: frozenset) -> tuple:
-        """``(packing, rule)`` of a single-IPU training program: its stacked weights as the optimizer
-        updates them, and the update rule over them (clipping the gradients when asked)."""
-        names = {id(p): n for n, p in torch.nn.Module.named_parameters(self._user_model)}
-        packing = Packing(stacks_for_optimizer(program.stacks, self._optimizer, names, without_gradient))
-        rule = optimizer_rule(self._optimizer, names, packing.stacks, without_gradient)
-        if self._gradient_clipping is not None:
-            rule = self._gradient_clipping.wrap(rule)
-        return packing, rule
+        return packed_rule(program, self._user_model, self._optimizer, without_gradient, self._gradient_clipping)
 
     def _rule_and_loss(self, program) -> tuple:
-        """The optimizer's update rule, the index of the loss among ``program``'s array results and
-        the parameters the loss gives no gradient (None, None, empty for inference)."""
+        """``update_rules.rule_and_loss`` of a training program; (None, None, empty) for inference."""
         if not self._training:
             return None, None, frozenset()
-        model = self._user_model
-        loss_index = find_loss(program, step_method=self._step_method is not None)
-        without_gradient = parameters_without_gradient(program, loss_index, model, self._step_method is not None)
-        rule = optimizer_rule(self._optimizer, {id(p): n for n, p in torch.nn.Module.named_parameters(model)},
-                              without_gradient=without_gradient)
-        return rule, loss_index, without_gradient
+        return rule_and_loss(program, self._user_model, self._optimizer, self._step_method)
 
     def _replica_rows(self) -> dict:
         """Each grouped weight's row for each replica (``replica_groups.replica_rows``)."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,14 @@ class Packing:
 
     def _keys(self) -> set:
         return {stack.key for stack in self.stacks}
+
+
+def kept_gradients(grads: dict, packing: Packing, model: torch.nn.Module) -> dict:
+    """Gradients a program kept on the device (laid out as ``packing`` says) as torch tensors of
+    their parameters' dtypes, by parameter name."""
+    params = dict(model.named_parameters())
+    return {name: torch.from_numpy(np.array(value)).to(params[name].dtype)
+            for name, value in packing.unpack_host(jax.device_get(grads)).items()}
 
 
 def stacks_for_optimizer(stacks, optimizer, param_names: dict, without_gradient=frozenset()) -> tuple:

@@ -372,7 +372,8 @@ def master_copy(params: dict) -> dict:
 
 
 def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, mesh,
-                  layout: OutputLayout, totals: dict | None = None, views: Callable | None = None) -> Callable:
+                  layout: OutputLayout, totals: dict | None = None, views: Callable | None = None,
+                  keep_gradients: bool = False) -> Callable:
     """``call(state, inputs, hyper, key, index) -> (state, outputs, logs)``, jitted over the mesh
     (``key`` and ``index``: see :func:`call_key`).
 
@@ -382,7 +383,9 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
     split by :func:`split_batch`; outputs are ``[r, D', A', ...]`` per device, gathered on the replica
     axis, and selected by the output mode. ``totals`` (logged name -> "sum" | "max" | "min") adds
     those logs reduced over every micro-batch (see :func:`_totals`); ``views`` gives each replica
-    its weights (see :func:`_with_views`).
+    its weights (see :func:`_with_views`). ``keep_gradients`` adds ``"grads"`` to the returned
+    state: the last optimizer step's gradients as its update took them (averaged, unscaled, not
+    yet clipped), for host code that reads ``.grad`` (Lightning's gradient hooks).
     """
     local = schedule.replicas // mesh.size
     replica_forward = _with_views(forward, views)
@@ -412,7 +415,7 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
             params, buffers, inputs, keys, replicas, loss_scale)
 
     def iteration(carry, xs):
-        params, buffers, opt_state, scaler, hyper = carry
+        params, buffers, opt_state, scaler, hyper, _ = carry
         inputs, key = xs                                   # inputs: [A, r, m, ...]
         loss_scale = scaler["scale"] if schedule.dynamic_loss_scaling else rule.loss_scale(hyper)
 
@@ -433,14 +436,17 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
         if schedule.dynamic_loss_scaling:
             (new_params, new_opt_state), scaler = _apply_if_finite(
                 grads, scaler, (new_params, new_opt_state), (params, opt_state))
-        return (new_params, buffers, new_opt_state, scaler, hyper), ys
+        return (new_params, buffers, new_opt_state, scaler, hyper, grads if keep_gradients else None), ys
 
     def device_program(state, inputs, hyper, key, index):
         keys = iteration_keys(call_key(key, index), schedule.device_iterations)
-        carry = (state["params"], state["buffers"], state["opt"], state["scaler"], hyper)
-        (params, buffers, opt_state, scaler, _), (arrays, logs) = device_loop(
+        params = state["params"]
+        kept = {name: jnp.zeros(params[name].shape, rule.accum_dtype) for name in rule.names} if keep_gradients else None
+        carry = (params, state["buffers"], state["opt"], state["scaler"], hyper, kept)
+        (params, buffers, opt_state, scaler, _, kept), (arrays, logs) = device_loop(
             iteration, carry, (inputs, keys), schedule, totals or {})
-        return {"params": params, "buffers": buffers, "opt": opt_state, "scaler": scaler}, arrays, logs
+        new_state = {"params": params, "buffers": buffers, "opt": opt_state, "scaler": scaler}
+        return ({**new_state, "grads": kept} if keep_gradients else new_state), arrays, logs
 
     state_spec = _state_spec(schedule, training=True)
     sharded = per_device(device_program, mesh, in_specs=(state_spec, P(None, None, REPLICA), P(), P(), P()),
