@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch._decomp
 import torch.fx.traceback
 import torch.utils._pytree as torch_pytree
 from torch._export import utils as _export_utils
@@ -457,12 +458,22 @@ def _is_default_cia_decomposition(fn) -> bool:
 _DEFAULT_CIA_DECOMPOSITION_CODE = _export_utils._get_decomp_for_cia(torch.ops.aten.linear.default).func.__code__
 
 
+_TORCH_DECOMPOSED = (
+    torch.ops.aten.upsample_nearest2d.vec, torch.ops.aten.upsample_bilinear2d.vec,
+    torch.ops.aten.upsample_bilinear2d.default, torch.ops.aten.grid_sampler_2d.default,
+    torch.ops.aten.bucketize.Tensor)
+"""Ops core ATen keeps whole (``F.interpolate``'s nearest and bilinear modes, ``F.grid_sample``,
+``torch.bucketize``) that have no lowering of their own: decomposed with torch's own
+decompositions (``torch._decomp``) into indexing and arithmetic, so they compute torch's formula."""
+
+
 @functools.cache
 def _split_core_aten_decompositions() -> tuple[dict, dict]:
     """torch's default core-ATen table split into CIA overrides and Python decompositions, once.
     ``detach`` is kept: decomposed, it becomes a plain ``alias`` and gradients would flow through."""
     with _cia_ops_materialized_once():
         table = dict(torch.export.default_decompositions().items())
+        table.update(torch._decomp.get_decompositions(_TORCH_DECOMPOSED))
         table.pop(torch.ops.aten.detach.default, None)
         return _exported_program._split_decomp_table_to_cia_and_python_decomp(table)
 

@@ -33,12 +33,20 @@ MODELS = {
 }
 
 
+def _table() -> dict:
+    """torch's core-ATen table as the capture uses it: without ``detach``, with torch's own
+    decompositions of the ops core ATen keeps whole that have no lowering."""
+    table = dict(torch.export.default_decompositions().items())
+    table.update(torch._decomp.get_decompositions(capture._TORCH_DECOMPOSED))
+    table.pop(torch.ops.aten.detach.default)
+    return table
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_decomposed_graph_equals_torchs_run_decompositions(name):
     make_model, make_args = MODELS[name]
     model, args = make_model(), make_args()
-    table = dict(torch.export.default_decompositions().items())
-    table.pop(torch.ops.aten.detach.default)
+    table = _table()
     expected = torch.export.export(model, args, strict=False).run_decompositions(decomp_table=table)
     actual = capture.decompose_to_core_aten(torch.export.export(model, args, strict=False))
     assert _graphs(actual) == _graphs(expected)
@@ -56,8 +64,7 @@ def test_weight_placeholders_carry_the_metadata_torchs_run_decompositions_gives(
     torch copies onto it, and torch's own copying is back in place afterwards."""
     make_model, make_args = MODELS["cnn_upsample"]
     model, args = make_model(), make_args()
-    table = dict(torch.export.default_decompositions().items())
-    table.pop(torch.ops.aten.detach.default)
+    table = _table()
     expected = torch.export.export(model, args, strict=False).run_decompositions(decomp_table=table)
     actual = capture.decompose_to_core_aten(torch.export.export(model, args, strict=False))
     assert _placeholder_metadata(actual) == _placeholder_metadata(expected)
@@ -78,8 +85,7 @@ def _placeholder_metadata(exported):
 def test_split_tables_equal_torchs():
     """The CIA and Python tables, built with the CIA ops materialized once, hold the ops torch's
     own split of the same table holds."""
-    table = dict(torch.export.default_decompositions().items())
-    table.pop(torch.ops.aten.detach.default)
+    table = _table()
     expected = torch.export.exported_program._split_decomp_table_to_cia_and_python_decomp(table)
     actual = capture._split_core_aten_decompositions()
     assert [set(part) for part in actual] == [set(part) for part in expected]

@@ -1,0 +1,48 @@
+"""Resampling against torch: ``F.interpolate``'s nearest and bilinear modes, ``F.grid_sample`` and
+``torch.bucketize``, which core ATen keeps whole and the capture decomposes with torch's own
+decompositions (``capture._TORCH_DECOMPOSED``): forward and gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.compiler.harness import OpCase, case_params, check_case
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def randn(*shape):
+    return lambda dtype: (torch.randn(shape).to(dtype),)
+
+
+def image_and_grid(dtype):
+    """An image and sampling points reaching past its edges (padding modes matter there)."""
+    return torch.randn(2, 3, 5, 7).to(dtype), (torch.rand(2, 4, 6, 2) * 2.4 - 1.2).to(dtype)
+
+
+CASES = [
+    OpCase("interpolate_nearest",
+           lambda x: (F.interpolate(x, scale_factor=2, mode="nearest"),
+                      F.interpolate(x, size=(3, 11), mode="nearest")),
+           randn(2, 3, 5, 7), dtypes=FLOATS),
+    OpCase("interpolate_bilinear",
+           lambda x: (F.interpolate(x, scale_factor=2, mode="bilinear"),
+                      F.interpolate(x, size=(3, 11), mode="bilinear", align_corners=True),
+                      F.interpolate(x, scale_factor=0.5, mode="bilinear"),
+                      F.interpolate(x, scale_factor=1.5, mode="bilinear", antialias=False)),
+           randn(2, 3, 5, 7), dtypes=FLOATS),
+    OpCase("grid_sample",
+           lambda x, grid: tuple(F.grid_sample(x, grid, mode=mode, padding_mode=padding, align_corners=corners)
+                                 for mode in ("bilinear", "nearest")
+                                 for padding, corners in (("zeros", False), ("border", True), ("reflection", False))),
+           image_and_grid),
+    OpCase("bucketize",
+           lambda x: (torch.bucketize(x, torch.tensor([-1.0, 0.0, 0.5, 1.0])),
+                      torch.bucketize(x, torch.tensor([-1.0, 0.0, 0.5, 1.0]), right=True, out_int32=True)),
+           lambda dtype: (torch.tensor([[-2.0, -1.0, 0.0, 0.2], [0.5, 0.7, 1.0, 3.0]]),), grad=False),
+]
+
+
+@pytest.mark.parametrize("case,dtype", case_params(CASES))
+def test_resampling(case, dtype):
+    check_case(case, dtype)
