@@ -30,6 +30,7 @@ from ipu_backend.enums import (  # noqa: E402
 from ipu_backend.errors import Error, RecoverableError, UnrecoverableError  # noqa: E402
 from ipu_backend.models import inferenceModel, trainingModel  # noqa: E402
 from ipu_backend.options import Options, TensorLocationSettings  # noqa: E402
+from ipu_backend.point_clouds import fps, nearest  # noqa: E402
 from ipu_backend.ops import (  # noqa: E402
     CPU,
     MultiConv,
@@ -62,7 +63,7 @@ __all__ = [
     "module_repr", "registerPostCompileHook", "registerPreCompileHook",
     "ICustomArgParser", "registerCustomArgParser", "ipuHardwareIsAvailable", "ipuHardwareVersion",
     "setLogLevel", "AsynchronousDataAccessor", "load", "autocast", "RecoverableError",
-    "UnrecoverableError",
+    "UnrecoverableError", "fps", "nearest",
 ]
 
 from ipu_backend.blocks import (  # noqa: E402

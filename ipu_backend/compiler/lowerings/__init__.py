@@ -16,6 +16,7 @@ from ipu_backend.compiler.lowerings import (  # noqa: F401
     losses,
     markers,
     normalization,
+    point_clouds,
     printing,
     random,
     reductions,
