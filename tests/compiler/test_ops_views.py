@@ -296,6 +296,18 @@ EMBEDDING_SORTING = [
                       *x.topk(1, 1)),
            lambda dtype: ((torch.randperm(21).view(3, 7) - 10).to(dtype),), FLOAT_AND_INT,
            ops=(aten.topk.default,)),
+    OpCase("kthvalue",
+           lambda x: (*x.kthvalue(3), *x.kthvalue(2, 0, keepdim=True), *x.kthvalue(7, -1)),
+           lambda dtype: ((torch.randperm(21).view(3, 7) - 10).to(dtype),), FLOAT_AND_INT,
+           ops=(aten.kthvalue.default,)),
+    OpCase("searchsorted",
+           lambda sequence, x: (torch.searchsorted(sequence[0], x), torch.searchsorted(sequence[0], x, right=True),
+                                torch.searchsorted(sequence, x.view(3, 4), side="right", out_int32=True),
+                                torch.searchsorted(sequence.flip(-1), x.view(3, 4),
+                                                   sorter=torch.arange(4).flip(0).expand(3, 4).contiguous())),
+           lambda dtype: (torch.tensor([[-1, 0, 0, 2], [-3, -1, 1, 1], [0, 1, 2, 3]]).to(dtype),
+                          torch.tensor([-2, -1, 0, 1, 2, 3, 0, 1, -4, 5, 2, 1]).to(dtype)),
+           FLOAT_AND_INT, grad=False, ops=(aten.searchsorted.Tensor,)),
 ]
 
 DYNAMIC_SLICING = [

@@ -486,3 +486,37 @@ def topk(ctx, x, k, dim=-1, largest=True, sorted=True):
         return values, indices
     dim = _dim(dim, x.ndim)
     return lax.slice_in_dim(values, 0, k, axis=dim), lax.slice_in_dim(indices, 0, k, axis=dim)
+
+
+@lowering(aten.kthvalue.default)
+def kthvalue(ctx, x, k, dim=-1, keepdim=False):
+    """The ``k``-th smallest along ``dim`` (1-based) and its index, from a stable sort: of equal
+    elements the lowest index (torch's CPU kernel leaves which one unspecified)."""
+    values, indices = _stable_sort(x, dim, descending=False)
+    if x.ndim == 0:
+        return values, indices
+    dim = _dim(dim, x.ndim)
+    values, indices = lax.index_in_dim(values, k - 1, axis=dim, keepdims=keepdim), \
+        lax.index_in_dim(indices, k - 1, axis=dim, keepdims=keepdim)
+    return values, indices
+
+
+@lowering(aten.searchsorted.Tensor)
+def searchsorted(ctx, sorted_sequence, values, *, out_int32=False, right=False, side=None, sorter=None):
+    """For each value, where it would go in ``sorted_sequence``'s last axis to keep it sorted:
+    before equal entries (``side="left"``) or after them (``right=True`` / ``side="right"``).
+    A 1-D sequence serves every value; otherwise its leading axes match the values' ones."""
+    if sorter is not None:
+        sorted_sequence = jnp.take_along_axis(sorted_sequence, sorter, axis=-1)
+    side = side or ("right" if right else "left")
+    dtype = jnp.int32
+
+    def row(sequence, row_values):
+        return jnp.searchsorted(sequence, row_values, side=side, method="compare_all").astype(dtype)
+
+    if sorted_sequence.ndim == 1:
+        return row(sorted_sequence, values)
+    lead = sorted_sequence.shape[:-1]
+    flat = jax.vmap(row)(sorted_sequence.reshape(-1, sorted_sequence.shape[-1]),
+                         values.reshape(-1, values.shape[-1]))
+    return flat.reshape(*lead, values.shape[-1])
