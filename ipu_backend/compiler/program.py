@@ -60,12 +60,17 @@ _INDEX_VIEWS = frozenset({
 """Ops that pass index values through unchanged (``_to_copy`` only between integer dtypes)."""
 
 
+_INDEX_OPS = (torch.ops.aten.embedding.default, torch.ops.aten._embedding_bag.default,
+              torch.ops.aten._embedding_bag_forward_only.default)
+"""Ops that look up rows of their first argument with the indices of their second."""
+
+
 def _index_inputs(graph_module: torch.fx.GraphModule, user_inputs: dict) -> tuple[IndexInput, ...]:
     """The embeddings whose indices come straight from a user input (``user_inputs``: placeholder
     node -> its position among the inputs)."""
     found = []
     for node in graph_module.graph.nodes:
-        if node.target is not torch.ops.aten.embedding.default:
+        if node.target not in _INDEX_OPS:
             continue
         source = node.args[1]
         while (isinstance(source, torch.fx.Node) and source.target in _INDEX_VIEWS

@@ -9,6 +9,7 @@ from ipu_backend.compiler.lowerings import (  # noqa: F401
     creation,
     ctc_decoding,
     dynamic_slicing,
+    embedding_bags,
     elementwise,
     host_calls,
     layers,
