@@ -20,6 +20,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from ipu_backend.compiler import (
     attention_choice,
     containers,
+    distribution_checks,
     float32_precision,
     fused_losses,
     hints,
@@ -230,7 +231,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
     attributes = _plain_tensor_attributes(target)     # non-strict export writes into them for real
     try:
         # preserve_node_meta keeps torch.fx.traceback.annotate(...) tags (pipeline blocks) on nodes.
-        with torch.fx.traceback.preserve_node_meta(), _capture_scope():
+        with torch.fx.traceback.preserve_node_meta(), _capture_scope(), distribution_checks.skipped():
             exported = torch.export.export(target, tuple(args), kwargs or None, strict=False)
     except GuardOnDataDependentSymNode as error:
         where = traceback_location(error.__traceback__) or "unknown source line"
