@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from ipu_backend.compiler import to_torch
+
 
 @dataclass(frozen=True)
 class Packing:
@@ -53,7 +55,7 @@ def kept_gradients(grads: dict, packing: Packing, model: torch.nn.Module) -> dic
     """Gradients a program kept on the device (laid out as ``packing`` says) as torch tensors of
     their parameters' dtypes, by parameter name."""
     params = dict(model.named_parameters())
-    return {name: torch.from_numpy(np.array(value)).to(params[name].dtype)
+    return {name: to_torch(value, params[name].dtype)
             for name, value in packing.unpack_host(jax.device_get(grads)).items()}
 
 

@@ -391,6 +391,10 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
     replica_forward = _with_views(forward, views)
     scale_sum = 1 if not schedule.mean_reduction else schedule.accumulation * schedule.replicas
 
+    def zero_gradients(params):
+        """A zero gradient for each parameter the optimizer updates, in its accumulation dtype."""
+        return {name: jnp.zeros(params[name].shape, rule.accum_dtype) for name in rule.names}
+
     def micro_step(params, buffers, inputs, key, replica, loss_scale):
         """Gradients for the parameters the optimizer updates (``rule.names``) only."""
         def scaled_loss(trained):
@@ -427,9 +431,9 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
             grads_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype).sum(0), grads_sum, grads)
             return (grads_sum, next_buffers(new_buffers, schedule, local, mesh.size)), (arrays, logs)
 
-        zeros = {name: jnp.zeros(params[name].shape, rule.accum_dtype) for name in rule.names}
         indices = jnp.arange(schedule.accumulation)
-        (grads_sum, buffers), ys = _loop(accumulate, (zeros, buffers), (inputs, indices), schedule.accumulation)
+        (grads_sum, buffers), ys = _loop(accumulate, (zero_gradients(params), buffers), (inputs, indices),
+                                         schedule.accumulation)
         grads = jax.tree.map(lambda g: g / (scale_sum * loss_scale), replica_sum(grads_sum, mesh.size))
         new_params, new_opt_state = optimizer_update(rule, grads, opt_state, params, hyper,
                                             jax.random.fold_in(key, schedule.accumulation), schedule)
@@ -441,7 +445,7 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
     def device_program(state, inputs, hyper, key, index):
         keys = iteration_keys(call_key(key, index), schedule.device_iterations)
         params = state["params"]
-        kept = {name: jnp.zeros(params[name].shape, rule.accum_dtype) for name in rule.names} if keep_gradients else None
+        kept = zero_gradients(params) if keep_gradients else None
         carry = (params, state["buffers"], state["opt"], state["scaler"], hyper, kept)
         (params, buffers, opt_state, scaler, _, kept), (arrays, logs) = device_loop(
             iteration, carry, (inputs, keys), schedule, totals or {})

@@ -43,3 +43,21 @@ def test_the_gradients_of_the_last_step_equal_torchs_stacked_layers_included():
     assert got.keys() == expected.keys()
     for name, gradient in expected.items():
         torch.testing.assert_close(got[name], gradient, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_half_precision_gradients_reach_the_host_in_their_parameters_dtype():
+    """A bfloat16 model's gradients (accumulated in float32 on the device) reach the host in the
+    parameters' dtype, as torch's do."""
+    torch.manual_seed(0)
+    model = Blocks().to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    executor = PoplarExecutor(model, poptorch.Options(), True,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1), keep_gradients=True)
+    x, y = torch.randn(3, 4).to(torch.bfloat16), torch.randn(3, 1).to(torch.bfloat16)
+    executor(x, y)
+    reference(x, y).backward()
+    got = executor.gradients()
+    for name, param in reference.named_parameters():
+        assert got[name].dtype == torch.bfloat16, name
+        torch.testing.assert_close(got[name], param.grad, rtol=2e-2, atol=1e-2, msg=name)
+

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from ipu_backend.compiler.lowerings.views import looked_up_rows
 from ipu_backend.compiler.registry import lowering
 from ipu_backend.errors import Error
 
@@ -37,7 +38,7 @@ def embedding_bag(ctx, weight, indices, offsets, scale_grad_by_freq=False, mode=
                     "each row's gradient by the count of another row (it does not follow its own "
                     "documentation), so no program can both follow the documentation and equal torch. "
                     "Use scale_grad_by_freq=False, or F.embedding(..., scale_grad_by_freq=True) and reduce the bags")
-    rows = jnp.take(weight, jnp.where(indices < 0, weight.shape[0], indices), axis=0, mode="fill")
+    rows = looked_up_rows(weight, indices)
     if per_sample_weights is not None:
         rows = rows * per_sample_weights[:, None]
     segment = jnp.where(kept, bag, bags)              # left-out entries go to a bag dropped below

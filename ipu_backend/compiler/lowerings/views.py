@@ -269,14 +269,19 @@ def masked_scatter(ctx, x, mask, source):
     return jnp.where(mask, taken, x)
 
 
+def looked_up_rows(weight, indices):
+    """The rows of ``weight`` at ``indices``; an index outside ``[0, rows)``, negative ones
+    included, reads a row of NaN (torch raises)."""
+    return jnp.take(weight, jnp.where(indices < 0, weight.shape[0], indices), axis=0, mode="fill")
+
+
 @lowering(aten.embedding.default)
 def embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     """Rows of ``weight``. As torch, rows looked up at ``padding_idx`` pass no gradient, and
     with ``scale_grad_by_freq`` each row's gradient is divided by its count in ``indices``. An
     index outside ``[0, rows)``, negative ones included, gives a row of NaN (torch raises; the
     host checks the indices that are inputs of the call before it, see ``Program.index_inputs``)."""
-    outside = jnp.where(indices < 0, weight.shape[0], indices)
-    rows = jnp.take(weight, outside, axis=0, mode="fill")
+    rows = looked_up_rows(weight, indices)
     if scale_grad_by_freq:
         counts = jnp.zeros(weight.shape[0], weight.dtype).at[indices].add(1)
         scale = (1 / counts[indices])[..., None]
@@ -496,9 +501,7 @@ def kthvalue(ctx, x, k, dim=-1, keepdim=False):
     if x.ndim == 0:
         return values, indices
     dim = _dim(dim, x.ndim)
-    values, indices = lax.index_in_dim(values, k - 1, axis=dim, keepdims=keepdim), \
-        lax.index_in_dim(indices, k - 1, axis=dim, keepdims=keepdim)
-    return values, indices
+    return tuple(lax.index_in_dim(a, k - 1, axis=dim, keepdims=keepdim) for a in (values, indices))
 
 
 @lowering(aten.searchsorted.Tensor)
