@@ -440,7 +440,8 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
         if schedule.dynamic_loss_scaling:
             (new_params, new_opt_state), scaler = _apply_if_finite(
                 grads, scaler, (new_params, new_opt_state), (params, opt_state))
-        return (new_params, buffers, new_opt_state, scaler, hyper, grads if keep_gradients else None), ys
+        kept = {name: g.astype(rule.accum_dtype) for name, g in grads.items()} if keep_gradients else None
+        return (new_params, buffers, new_opt_state, scaler, hyper, kept), ys
 
     def device_program(state, inputs, hyper, key, index):
         keys = iteration_keys(call_key(key, index), schedule.device_iterations)

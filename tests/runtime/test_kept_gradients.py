@@ -61,3 +61,25 @@ def test_half_precision_gradients_reach_the_host_in_their_parameters_dtype():
         assert got[name].dtype == torch.bfloat16, name
         torch.testing.assert_close(got[name], param.grad, rtol=2e-2, atol=1e-2, msg=name)
 
+
+def test_gradients_accumulated_in_half_precision_are_kept_over_device_iterations():
+    """PopTorch's ``accum_type=torch.float16``: the kept gradients are the half-precision
+    accumulation the update took, over a loop of two device iterations (the last one's)."""
+    torch.manual_seed(0)
+    model = Blocks()
+    reference = copy.deepcopy(model)
+    options = poptorch.Options()
+    options.deviceIterations(2)
+    optimizer = poptorch.optim.SGD(model.parameters(), lr=0.1, accum_type=torch.float16)
+    executor = PoplarExecutor(model, options, True, optimizer=optimizer, keep_gradients=True)
+    x, y = torch.randn(2, 3, 4), torch.randn(2, 3, 1)
+    executor(x.reshape(6, 4), y.reshape(6, 1))
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(2):
+        optimizer.zero_grad()
+        reference(x[step], y[step]).backward()
+        expected = {name: p.grad.clone() for name, p in reference.named_parameters()}
+        optimizer.step()
+    got = executor.gradients()
+    for name, gradient in expected.items():
+        torch.testing.assert_close(got[name], gradient, rtol=1e-2, atol=1e-3, msg=name)
