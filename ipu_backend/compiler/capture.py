@@ -218,10 +218,12 @@ they were at capture (a :class:`~ipu_backend.compiler.float32_precision.Float32P
 program's products are traced with them."""
 
 
-def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> torch.export.ExportedProgram:
+def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
+           decompose=None) -> torch.export.ExportedProgram:
     """torch.export (non-strict) decomposed to core ATen, ``poptorch.for_loop`` bodies outlined,
     with errors a user can act on, and torch's float32 precision settings recorded on the graph
-    module."""
+    module. ``decompose``: how the export is decomposed (:func:`decompose_to_core_aten` unless
+    given: a caller may take the decomposition from elsewhere)."""
     precision = float32_precision.torch_setting()
     fused_losses.install(_CAPTURING.get)       # not torch.compile's tracing of a user's own code
     containers.register((args, kwargs))
@@ -256,13 +258,13 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
     finally:
         hook.remove()
     if _mutated_attributes_as_buffers(target, exported, attributes):
-        return export(module, args, kwargs)
+        return export(module, args, kwargs, decompose)
     if target is not module:
         _Anchored.drop(exported)
     _refuse_mutated_constants(exported, type(module).__name__)
     _detach_no_grad_regions(exported.graph_module)
     with without_treespec_deprecation():
-        exported = decompose_to_core_aten(exported)
+        exported = (decompose or decompose_to_core_aten)(exported)
     loops.outline_loops(exported.graph_module)
     hints.check_multi_convs(exported.graph_module)
     hints.check_overlaps(exported)

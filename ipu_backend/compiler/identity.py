@@ -19,9 +19,9 @@ from dataclasses import fields, is_dataclass
 import torch
 import torch.fx
 
-from ipu_backend.compiler import layer_calls, registry
+from ipu_backend.compiler import registry
 
-_DEBUG_META = frozenset({
+DEBUG_META = frozenset({
     "stack_trace", "seq_nr", "from_node", "tensor_meta", "torch_fn", "original_aten", "nn_module_stack",
     "source_fn_stack", "unbacked_bindings", "partitioner_tag", "eager_input_vals",
 })
@@ -30,10 +30,6 @@ _DEBUG_META = frozenset({
 _LIBRARY_MODULES = ("torch", "operator", "_operator", "builtins", "math", "ipu_backend")
 """Functions from these modules are named, not read: their code is that of the installed
 versions, which the persistent cache's key covers."""
-
-
-_MARKERS = {id(layer_calls.TENSOR): "layer_calls.TENSOR"}
-"""Plain objects that mark a place (where a tensor goes among a layer call's leaves), by name."""
 
 
 class Unidentifiable(Exception):
@@ -89,8 +85,6 @@ def describe(value) -> str:
         return f"type({_qualified(value)})"
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
         return _function(value)
-    if id(value) in _MARKERS and type(value) is object:
-        return _MARKERS[id(value)]
     if isinstance(value, torch.nn.Module):
         # A layer a repeated-layer template was captured from: the template's program, described
         # beside it, is what its calls compute; lowerings read nothing of the module itself.
@@ -127,14 +121,14 @@ def _function(fn) -> str:
 
 def graph_digest(graph_module: torch.fx.GraphModule) -> str:
     """The digest of a graph module: its nodes, nested graphs, constants and settings."""
-    lines = ["meta:" + describe({k: v for k, v in graph_module.meta.items() if k not in _DEBUG_META})]
+    lines = ["meta:" + describe({k: v for k, v in graph_module.meta.items() if k not in DEBUG_META})]
     for node in graph_module.graph.nodes:
         lines.append(_node(graph_module, node))
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
 def _node(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> str:
-    meta = {k: v for k, v in node.meta.items() if k not in _DEBUG_META}
+    meta = {k: v for k, v in node.meta.items() if k not in DEBUG_META}
     if "custom" in meta:        # the user's annotations, without those torch adds (named "_...")
         meta["custom"] = {k: v for k, v in meta["custom"].items() if not k.startswith("_")}
     target = node.target

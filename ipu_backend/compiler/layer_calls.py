@@ -39,7 +39,14 @@ def _repeated_layer(inputs: list[torch.Tensor], state: list[torch.Tensor], call:
 REPEATED_LAYER = torch.ops.ipu_backend.repeated_layer.default
 
 
-TENSOR = object()
+@dataclass(frozen=True)
+class _Place:
+    """A marker with a stable description (``identity.describe``), compared by ``is``."""
+
+    name: str
+
+
+TENSOR = _Place("tensor")
 """Marks where a tensor goes among the leaves of a layer's inputs or outputs."""
 
 
@@ -243,11 +250,12 @@ class Template:
         return len(self.call.out_metas)
 
 
-def capture_template(call: LayerCall, build) -> Template:
-    """Capture ``call``'s layer on its own; ``build(module, exported, prefix)`` makes the Program.
-    Raises :class:`NotRepeatable` when the template shows what a stand-in cannot carry."""
+def capture_template(call: LayerCall, build, decompose=None) -> Template:
+    """Capture ``call``'s layer on its own (decomposed by ``decompose``, see ``capture.export``);
+    ``build(module, exported, prefix)`` makes the Program. Raises :class:`NotRepeatable` when the
+    template shows what a stand-in cannot carry."""
     example = call.arguments(torch.zeros(m.shape, dtype=m.dtype, device=m.device) for m in call.in_metas)
-    exported = capture.export(_LayerForward(call.module), example)
+    exported = capture.export(_LayerForward(call.module), example, decompose=decompose)
     signature = exported.graph_signature
     kinds = {spec.kind for spec in signature.output_specs}
     if kinds - {OutputKind.USER_OUTPUT, OutputKind.BUFFER_MUTATION}:

@@ -12,6 +12,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from ipu_backend.compiler import (
     capture,
+    decomposition_cache,
     identity,
     interpreter,
     layer_calls,
@@ -268,12 +269,17 @@ def _capture(target: torch.nn.Module, args: tuple, kwargs: dict, runs: list) -> 
         stand_ins = layer_calls.StandIns(runs)
         try:
             with stand_ins.installed():
-                exported = capture.export(target, args, kwargs)
-            templates = [layer_calls.capture_template(call, _template_program) for call in stand_ins.calls]
+                exported = capture.export(target, args, kwargs, _decompose)
+            templates = [layer_calls.capture_template(call, _template_program, _decompose) for call in stand_ins.calls]
         except layer_calls.NotRepeatable as refusal:
             runs = [run for index, run in enumerate(runs) if index != refusal.run]
             continue
         return exported, templates
+
+
+def _decompose(exported):
+    """The capture's decomposition to core ATen, kept where ``decomposition_cache.kept_in`` says."""
+    return decomposition_cache.decomposed(exported, capture.decompose_to_core_aten)
 
 
 def _template_program(layer: torch.nn.Module, exported, prefix: str) -> "Program":

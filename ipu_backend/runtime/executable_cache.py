@@ -49,6 +49,8 @@ OFF = "off"
 SIZE_VARIABLE = "IPU_BACKEND_CACHE_SIZE_MB"
 DEFAULT_SIZE_MB = 1024
 SUFFIX = ".ipu-executable"
+DECOMPOSITION_SUFFIX = ".ipu-decomposition"
+"""Entries of ``compiler.decomposition_cache``: captures decomposed to core ATen."""
 FORMAT = 1
 
 
@@ -112,8 +114,8 @@ class ExecutableCache:
         self.root = root
         self.limit = size_limit() if limit is None else limit
 
-    def _path(self, key: str) -> str:
-        return os.path.join(self.root, key + SUFFIX)
+    def _path(self, key: str, suffix: str = SUFFIX) -> str:
+        return os.path.join(self.root, key + suffix)
 
     def holds(self, key: str) -> bool:
         return os.path.exists(self._path(key))
@@ -157,22 +159,41 @@ class ExecutableCache:
         except (pickle.PicklingError, TypeError, AttributeError) as error:
             logger.info("not caching a program on disk: its outputs do not pickle (%s)", error)
             return
+        self.write(key, data, SUFFIX)
+
+    def read(self, key: str, suffix: str) -> bytes | None:
+        """The bytes of the entry ``key`` with ``suffix``, or None (a read renews the entry)."""
+        path = self._path(key, suffix)
         try:
-            self._write(key, data)
+            with open(path, "rb") as file:
+                data = file.read()
+            os.utime(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as error:
+            logger.warning("ignoring the unreadable cache entry %s (%s)", path, error)
+            return None
+        return data
+
+    def write(self, key: str, data: bytes, suffix: str) -> None:
+        """``data`` as the entry ``key`` with ``suffix``, then the directory kept within its bound;
+        a directory that cannot be written is warned of."""
+        try:
+            self._write(self._path(key, suffix), data)
             self.evict()
         except OSError as error:
             logger.warning("not caching a program on disk: the executable cache %s cannot be written (%s); "
                            "move it with $%s or Options().enableExecutableCaching(path), or turn it off with "
                            "%s=%s", self.root, error, DIRECTORY_VARIABLE, DIRECTORY_VARIABLE, OFF)
 
-    def _write(self, key: str, data: bytes) -> None:
-        """``data`` as the entry ``key``, whole or not at all (another process may read it)."""
+    def _write(self, path: str, data: bytes) -> None:
+        """``data`` at ``path``, whole or not at all (another process may read it)."""
         os.makedirs(self.root, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=self.root, suffix=".partial")
         try:
             with os.fdopen(handle, "wb") as file:
                 file.write(data)
-            os.replace(temporary, self._path(key))
+            os.replace(temporary, path)
         except BaseException:
             if os.path.exists(temporary):
                 os.remove(temporary)
@@ -183,7 +204,7 @@ class ExecutableCache:
         entries = []
         with os.scandir(self.root) as listing:
             for item in listing:
-                if item.name.endswith(SUFFIX):
+                if item.name.endswith((SUFFIX, DECOMPOSITION_SUFFIX)):
                     try:
                         status = item.stat()
                     except FileNotFoundError:
@@ -220,6 +241,23 @@ class StagePrograms:
         self._cache.store(key, executable, serialization.device_ids(executable))
         self.compiled += 1
         return executable
+
+
+class Decompositions:
+    """The store of ``compiler.decomposition_cache`` in an executable cache's directory: its
+    entries keyed also by what decomposed them (:func:`environment`), bounded with the programs."""
+
+    def __init__(self, cache: ExecutableCache):
+        self._cache = cache
+
+    def get(self, key: str) -> bytes | None:
+        name = entry_key(("decomposition", key))
+        return None if name is None else self._cache.read(name, DECOMPOSITION_SUFFIX)
+
+    def put(self, key: str, data: bytes) -> None:
+        name = entry_key(("decomposition", key))
+        if name is not None:
+            self._cache.write(name, data, DECOMPOSITION_SUFFIX)
 
 
 def for_setting(setting: str | None) -> ExecutableCache | None:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as torch_pytree
 
-from ipu_backend.compiler import containers, python_reads
+from ipu_backend.compiler import containers, decomposition_cache, python_reads
 from ipu_backend.errors import Error
 from ipu_backend.runtime import (
     compile_progress,
@@ -381,6 +381,12 @@ class Executor:
         if key is not None:
             cache.store(key, executable, compiled.layout.state())
         return executable, "compiled"
+
+    def _decompositions_kept(self):
+        """A block in which captures take and keep their decompositions to core ATen in this
+        executor's executable cache (``compiler.decomposition_cache``), as its programs are."""
+        cache = self._executable_cache
+        return decomposition_cache.kept_in(None if cache is None else executable_cache.Decompositions(cache))
 
     def _entry_key(self, shared_key: tuple | None) -> str | None:
         """The key in this executor's executable cache of the program with ``shared_key`` (None:

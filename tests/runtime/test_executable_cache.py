@@ -248,6 +248,16 @@ def test_cache_keys_cover_graph_options_and_versions(monkeypatch):
     assert executable_cache.entry_key(program_key()) != base
 
 
+def test_decompositions_are_kept_under_keys_that_cover_versions(monkeypatch, tmp_path):
+    """A decomposition (``compiler.decomposition_cache``) is looked up by its graph's key and what
+    decomposed it: another torch version reads none of it."""
+    store = executable_cache.Decompositions(executable_cache.ExecutableCache(str(tmp_path)))
+    store.put("graph", b"decomposed")
+    assert store.get("graph") == b"decomposed" and store.get("other graph") is None
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    assert store.get("graph") is None
+
+
 def test_an_unreadable_entry_is_compiled_again(new_process, tmp_path, caplog):
     opts = poptorch.Options().enableExecutableCaching(str(tmp_path))
     torch.manual_seed(0)
@@ -266,15 +276,17 @@ def test_an_unreadable_entry_is_compiled_again(new_process, tmp_path, caplog):
 
 def test_the_directory_keeps_its_bound_by_evicting_the_least_recently_used(tmp_path):
     cache = executable_cache.ExecutableCache(str(tmp_path), limit=250)
-    for age, name in enumerate(("old", "used", "new")):
-        path = tmp_path / (name + executable_cache.SUFFIX)
+    decomposition = executable_cache.DECOMPOSITION_SUFFIX
+    names = ("old" + executable_cache.SUFFIX, "old" + decomposition, "used" + executable_cache.SUFFIX,
+             "new" + decomposition)
+    for age, name in enumerate(names):
+        path = tmp_path / name
         path.write_bytes(b"x" * 100)
         os.utime(path, ns=(age * 10**9, age * 10**9))
-    os.utime(tmp_path / ("used" + executable_cache.SUFFIX))     # read just now
+    assert cache.read("old", decomposition) == b"x" * 100      # read just now: the most recent
     (tmp_path / "unrelated.txt").write_bytes(b"y" * 1000)
     cache.evict()
-    assert entries(tmp_path) == ["new" + executable_cache.SUFFIX, "used" + executable_cache.SUFFIX]
-    assert (tmp_path / "unrelated.txt").exists()
+    assert files(tmp_path) == {"old" + decomposition, "new" + decomposition, "unrelated.txt"}
 
 
 def test_the_cache_size_comes_from_the_environment(monkeypatch):
@@ -294,17 +306,23 @@ jax.monitoring.register_event_duration_secs_listener(
     lambda event, seconds, **kwargs: compilations.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
 import torch
 import ipu_backend as poptorch
+from ipu_backend.compiler import capture
+decompositions = []
+decompose = capture.decompose_to_core_aten
+capture.decompose_to_core_aten = lambda exported: decompositions.append(exported) or decompose(exported)
 from tests.runtime.test_executable_cache import Regression, train
 torch.manual_seed(0)
 net = Regression()
 losses = train(net, poptorch.Options().enableExecutableCaching(sys.argv[1]))
-print(json.dumps({"compilations": len(compilations), "losses": [float(loss) for loss in losses],
+print(json.dumps({"compilations": len(compilations), "decompositions": len(decompositions),
+                  "losses": [float(loss) for loss in losses],
                   "weights": {name: p.tolist() for name, p in net.state_dict().items()}}))
 """
 
 
 def test_a_second_process_compiles_nothing(new_process, tmp_path):
-    """The same script run again in a new process loads its program: XLA compiles nothing."""
+    """The same script run again in a new process loads its program: XLA compiles nothing, and
+    its capture takes the decomposition kept by the first."""
     torch.manual_seed(0)
     train(Regression(), poptorch.Options().enableExecutableCaching(str(tmp_path)))
     assert len(entries(tmp_path)) == 1
@@ -313,7 +331,7 @@ def test_a_second_process_compiles_nothing(new_process, tmp_path):
     result = subprocess.run([sys.executable, "-c", SECOND_PROCESS, str(tmp_path)], cwd=root, env=environment,
                             check=True, capture_output=True, text=True)
     second = json.loads(result.stdout.splitlines()[-1])
-    assert second["compilations"] == 0
+    assert second["compilations"] == 0 and second["decompositions"] == 0
     torch.manual_seed(0)
     reference = Regression()
     losses = eager(reference)
