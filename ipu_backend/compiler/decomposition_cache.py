@@ -94,16 +94,16 @@ def key_of(exported: torch.export.ExportedProgram) -> str | None:
             list(exported.graph_signature.input_specs), list(exported.graph_signature.output_specs),
             exported.call_spec.in_spec, exported.call_spec.out_spec,
             sorted((name, identity.describe(value)) for name, value in exported.constants.items()),
-            sorted((name, _layout(value), value.requires_grad) for name, value in exported.state_dict.items()),
+            sorted((name, _layout(value)) for name, value in exported.state_dict.items()),
             current_options(), jax.default_backend()))
     except identity.Unidentifiable:
         return None
 
 
 def _layout(value) -> object:
-    """The strides of the tensors in a node's value (the digest has their shapes and dtypes)."""
+    """What the digest leaves out of the tensors in a node's value (it has shapes and dtypes)."""
     if isinstance(value, torch.Tensor):
-        return (tuple(value.stride()), value.storage_offset(), value.device.type)
+        return (tuple(value.stride()), value.storage_offset(), value.device.type, value.requires_grad)
     if isinstance(value, (tuple, list)):
         return tuple(_layout(v) for v in value)
     return None

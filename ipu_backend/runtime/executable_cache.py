@@ -14,6 +14,8 @@ flags. A program whose key has no stable description is not cached. An entry hol
 executable, its argument and result structures and the program's output layout (a stage program
 of a model split over IPUs: its devices; its key adds the fingerprint of its lowered program); it is read
 only by this package, from the user's own directory (it is a pickle, as JAX's cache entries are).
+The directory also keeps the captures' decompositions to core ATen (:class:`Decompositions`), so
+that a second process exports its model but does not decompose it again.
 
 The directory is bounded (``$IPU_BACKEND_CACHE_SIZE_MB``, 1024 MiB unless set): after each
 write the least recently used entries (by modification time, which a read renews) are removed
