@@ -3,6 +3,7 @@
 import contextlib
 import contextvars
 import functools
+import operator
 import os
 import types
 import warnings
@@ -28,6 +29,7 @@ from ipu_backend.compiler import (
     loops,
     metric_states,
 )
+from ipu_backend.compiler.custom_ops import NO_GRAD_UPDATE
 from ipu_backend.compiler.sources import traceback_location, user_location
 from ipu_backend.errors import Error
 
@@ -368,17 +370,42 @@ def _refuse_mutated_constants(exported: torch.export.ExportedProgram, model: str
 def _detach_no_grad_regions(graph_module: torch.fx.GraphModule) -> None:
     """Detach what a ``torch.no_grad()`` block of the step computes, so that no gradient flows
     through it (torch records none there). torch.export marks such a block as a
-    ``wrap_with_set_grad_enabled(False, ...)`` call, which decomposition would inline unmarked."""
+    ``wrap_with_set_grad_enabled(False, ...)`` call, which decomposition would inline unmarked.
+    A tensor the block changes in place keeps its history in torch: its new value is a
+    ``no_grad_update`` of its old one, whose gradient flows to the old value unchanged."""
     graph = graph_module.graph
     for node in list(graph.nodes):
         if node.target is not torch.ops.higher_order.wrap_with_set_grad_enabled or node.args[0]:
             continue
+        region = getattr(graph_module, node.args[1].target)
+        results = region.graph.output_node().args[0]
         for user in list(node.users):
+            result = results[user.args[1]] if user.target is operator.getitem else None
+            source = _changed_operand(region, result, node.args[2:])
+            if source is not None:      # its value before the region: a later use reads the change
+                with graph.inserting_before(node):
+                    source = graph.call_function(torch.ops.aten.clone.default, (source,))
+                source.meta.update(val=source.args[0].meta.get("val"))
             with graph.inserting_after(user):
-                detached = graph.call_function(torch.ops.aten.detach.default, (user,))
-            user.replace_all_uses_with(detached, delete_user_cb=lambda use: use is not detached)
-            detached.meta.update(val=user.meta.get("val"), stack_trace=user.meta.get("stack_trace"))
+                kept = (graph.call_function(torch.ops.aten.detach.default, (user,)) if source is None else
+                        graph.call_function(NO_GRAD_UPDATE, (source, user)))
+            user.replace_all_uses_with(kept, delete_user_cb=lambda use: use is not kept)
+            kept.meta.update(val=user.meta.get("val"), stack_trace=user.meta.get("stack_trace"))
     graph_module.recompile()
+
+
+def _changed_operand(region: torch.fx.GraphModule, result, operands: tuple):
+    """The operand of a ``no_grad`` region that ``result`` of the region is, changed in place
+    (followed back through in-place ops to a placeholder of the region), or None."""
+    while isinstance(result, torch.fx.Node) and result.op == "call_function":
+        written = [arg for arg in result.args if isinstance(arg, torch.fx.Node) and _writes(result, arg)]
+        if len(written) != 1:
+            return None
+        result = written[0]
+    if not isinstance(result, torch.fx.Node) or result.op != "placeholder":
+        return None
+    placeholders = [node for node in region.graph.nodes if node.op == "placeholder"]
+    return operands[placeholders.index(result)]
 
 
 def _raised_by_torch(tb) -> bool:

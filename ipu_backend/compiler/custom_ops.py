@@ -72,3 +72,22 @@ def _(x):
 
 recomputation_checkpoint.register_autograd(lambda ctx, grad: grad)
 RECOMPUTATION_CHECKPOINT = torch.ops.ipu_backend.recomputation_checkpoint.default
+
+
+@torch.library.custom_op("ipu_backend::no_grad_update", mutates_args=())
+def _no_grad_update(source: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    return value.clone()
+
+
+@_no_grad_update.register_fake
+def _(source, value):
+    return torch.empty_like(value)
+
+
+_no_grad_update.register_autograd(lambda ctx, grad: (grad, None))
+NO_GRAD_UPDATE = torch.ops.ipu_backend.no_grad_update.default
+"""``no_grad_update(source, value)``: ``value``, a tensor's new contents after an in-place change
+made under ``torch.no_grad()``, whose gradient flows to ``source``, the tensor before the change:
+torch records no operation for the change, so the tensor keeps its history (``clone`` then
+``clamp_`` under ``no_grad`` passes the gradient through unchanged, as ``F.gaussian_nll_loss``
+relies on)."""

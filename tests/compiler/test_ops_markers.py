@@ -5,11 +5,21 @@ import torch
 
 import ipu_backend as poptorch
 from ipu_backend import Error
-from ipu_backend.compiler.custom_ops import IDENTITY_LOSS, identity_loss
+from ipu_backend.compiler.custom_ops import IDENTITY_LOSS, NO_GRAD_UPDATE, identity_loss
 from ipu_backend.compiler.hints import HINT
 from ipu_backend.compiler.host_calls import HOST_CALL
 from ipu_backend.compiler.tensor_print import PRINT_TENSOR
 from tests.compiler.harness import OpCase, case_params, check_case
+
+
+def _clamped_under_no_grad(x):
+    """torch keeps the history of a tensor changed in place under no_grad: the gradient passes
+    the clamp unchanged."""
+    y = x.exp().clone()
+    with torch.no_grad():
+        y.clamp_(max=2.0)
+    return y * x
+
 
 _SORT_ON_HOST = poptorch.CPU(lambda x: (torch.sort(x, dim=-1).values * 2, x.sum()), "SortOnHost")
 
@@ -25,6 +35,8 @@ CASES = [
     OpCase("cpu_op_runs_on_the_host", lambda x: [y + 1 for y in _SORT_ON_HOST(x.cos())],
            lambda dtype: (torch.randn(3, 4, dtype=dtype),), (torch.float32, torch.float16), grad=False,
            ops=(HOST_CALL,)),
+    OpCase("no_grad_update_keeps_the_history", _clamped_under_no_grad,
+           lambda dtype: (torch.randn(3, 4, dtype=dtype),), ops=(NO_GRAD_UPDATE,)),
 ]
 
 

@@ -170,3 +170,40 @@ def test_no_grad_block_passes_no_gradient_as_in_torch():
     ipu(x.reshape(-1, 3))
     assert_same_parameters(model, reference)
     torch.testing.assert_close(model.average, reference.average, rtol=RTOL, atol=ATOL)
+
+
+class ChangedUnderNoGrad(torch.nn.Module):
+    """Tensors changed in place under ``torch.no_grad()`` keep their history in torch: the new
+    values flow on, the gradient passes to the old ones unchanged (``clone`` then ``clamp_``, as
+    ``F.gaussian_nll_loss`` clamps its variance; ``copy_``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(4, 4)
+        self.second = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        clamped = self.first(x).clone()
+        doubled = self.second(x)
+        with torch.no_grad():
+            clamped.clamp_(min=0.1)
+            doubled.copy_(doubled * 2)
+        return (clamped * doubled).sum() + (clamped ** 2).mean()
+
+
+def test_values_changed_in_place_under_no_grad_keep_their_gradient_as_in_torch():
+    torch.manual_seed(0)
+    model = ChangedUnderNoGrad()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 6, 4)
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for batch in x:
+        torch_optimizer.zero_grad()
+        reference(batch).backward()
+        torch_optimizer.step()
+    moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    assert moved > 1e-2, "the reference did not train"
+    ipu = poptorch.trainingModel(model, poptorch.Options().deviceIterations(2),
+                                 torch.optim.SGD(model.parameters(), lr=0.05))
+    ipu(x.reshape(-1, 4))
+    assert_same_parameters(model, reference)

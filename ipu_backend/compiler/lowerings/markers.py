@@ -1,9 +1,16 @@
-"""Lowerings: PopTorch's marker ops (``identity_loss``, ``recomputationCheckpoint``, compiler hints)."""
+"""Lowerings: PopTorch's marker ops (``identity_loss``, ``recomputationCheckpoint``, compiler
+hints) and the in-place changes made under ``torch.no_grad()`` (``no_grad_update``)."""
 
+import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from ipu_backend.compiler.custom_ops import IDENTITY_LOSS, RECOMPUTATION_CHECKPOINT, RECOMPUTATION_CHECKPOINT_NAME
+from ipu_backend.compiler.custom_ops import (
+    IDENTITY_LOSS,
+    NO_GRAD_UPDATE,
+    RECOMPUTATION_CHECKPOINT,
+    RECOMPUTATION_CHECKPOINT_NAME,
+)
 from ipu_backend.compiler.hints import HINT
 from ipu_backend.compiler.registry import lowering
 
@@ -26,3 +33,25 @@ def hint(ctx, x, kind, value):
 @lowering(RECOMPUTATION_CHECKPOINT)
 def recomputation_checkpoint(ctx, x):
     return checkpoint_name(x, RECOMPUTATION_CHECKPOINT_NAME)
+
+
+@lowering(NO_GRAD_UPDATE)
+def no_grad_update(ctx, source, value):
+    return _value_with_gradient_of(source, value)
+
+
+@jax.custom_vjp
+def _value_with_gradient_of(source, value):
+    """``value`` exactly, its gradient flowing to ``source`` (``value`` takes none)."""
+    return value
+
+
+def _forward(source, value):
+    return value, None
+
+
+def _backward(_, gradient):
+    return gradient, jnp.zeros_like(gradient)
+
+
+_value_with_gradient_of.defvjp(_forward, _backward)
