@@ -27,6 +27,7 @@ from ipu_backend.compiler import (
     hints,
     host_branches,
     loops,
+    loss_checks,
     metric_states,
 )
 from ipu_backend.compiler.custom_ops import NO_GRAD_UPDATE
@@ -228,6 +229,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     given: a caller may take the decomposition from elsewhere)."""
     precision = float32_precision.torch_setting()
     fused_losses.install(_CAPTURING.get)       # not torch.compile's tracing of a user's own code
+    loss_checks.install(_CAPTURING.get)
     containers.register((args, kwargs))
     # The module's results may hold container subclasses too: registered as it returns them.
     hook = module.register_forward_hook(lambda _, __, result: containers.register(result))

@@ -6,11 +6,13 @@ exercises. The CTC loss is captured whole and lowered by ``losses.py``; its grad
 (not inputs) because torch's fused loss kernels are not differentiable with respect to them.
 """
 
+import jax
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ipu_backend.compiler import fused_losses
+from ipu_backend.compiler import compile_module, fused_losses, loss_checks, to_jax
+from ipu_backend.compiler.custom_ops import NO_GRAD_UPDATE
 from ipu_backend.compiler.fused_losses import CTC_LOSS
 from tests.compiler.harness import OpCase, case_params, check_case
 
@@ -51,6 +53,16 @@ def probabilities_and_targets(*shape):
 def log_probabilities_pair(*shape):
     return lambda dtype: (torch.randn(shape).log_softmax(1).to(dtype),
                           torch.randn(shape).softmax(1).to(dtype))
+
+
+def gaussian_inputs(*shape, variances=None):
+    """Means, targets and variances of shape ``variances`` (``shape`` unless given), every third
+    variance below the loss's ``eps``: torch clamps those without stopping their gradient."""
+    def make(dtype):
+        var = torch.rand(variances or shape) + 0.1
+        var.view(-1)[::3] = 1e-8
+        return torch.randn(shape).to(dtype), torch.randn(shape).to(dtype), var.to(dtype)
+    return make
 
 
 def every_reduction(loss):
@@ -107,6 +119,16 @@ REGRESSION_CASES = [
            lambda x, y: (F.huber_loss(x, y), F.huber_loss(x, y, delta=0.4, reduction="sum"),
                          F.huber_loss(x, y, delta=2.0, reduction="none")),
            pairs(4, 5), ops=(aten.mean.default, aten.sum.dim_IntList)),
+    # F.gaussian_nll_loss checks its variance in Python; captured, the check is a run-time one.
+    OpCase("gaussian_nll_loss_heteroscedastic", every_reduction(F.gaussian_nll_loss), gaussian_inputs(4, 5),
+           ops=(aten._assert_async.msg, NO_GRAD_UPDATE)),
+    OpCase("gaussian_nll_loss_homoscedastic_full",
+           lambda x, y, v: (F.gaussian_nll_loss(x, y, v, full=True), F.gaussian_nll_loss(x, y, v.unsqueeze(-1)),
+                            torch.nn.GaussianNLLLoss(eps=1e-3, reduction="sum")(x, y, v)),
+           gaussian_inputs(4, 5, variances=(4,)), ops=(NO_GRAD_UPDATE,)),
+    OpCase("gaussian_nll_loss_broadcast_and_float_variance",
+           lambda x, y, v: (F.gaussian_nll_loss(x, y, v[:, :1, :]), F.gaussian_nll_loss(x, y, 0.5, reduction="none")),
+           gaussian_inputs(2, 3, 4, variances=(2, 1, 4))),
 ]
 
 BINARY_CASES = [
@@ -206,3 +228,27 @@ def test_ctc_loss_outside_a_capture_is_torchs_own():
         results.append((loss.detach(), x.grad))
     assert torch.ctc_loss is not fused_losses._TORCH_CTC_LOSS
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+
+class GaussianNLL(torch.nn.Module):
+    def __init__(self, var):
+        super().__init__()
+        self.var = var
+
+    def forward(self, x, y, var):
+        return F.gaussian_nll_loss(x, y, var if self.var is None else self.var)
+
+
+def test_gaussian_nll_loss_refuses_what_torch_refuses_and_says_what_it_cannot_check():
+    x, y, var = gaussian_inputs(4, 5)(torch.float32)
+    for bad_var, message in ((-0.5, "var has negative entry"), (var[:, :2], "var is of incorrect size")):
+        with pytest.raises(ValueError, match=message):
+            GaussianNLL(bad_var)(x, y, var)                         # torch's own
+        with pytest.raises(ValueError, match=message):
+            compile_module(GaussianNLL(bad_var), (x, y, var))
+    program = compile_module(GaussianNLL(None), (x, y, var))
+    with pytest.warns(UserWarning, match="not evaluated in the compiled program: 'var has negative entry"):
+        jax.jit(program.fn).lower({}, {}, tuple(to_jax(t) for t in (x, y, -var)), jax.random.key(0))
+    assert F.gaussian_nll_loss is not loss_checks._TORCH_GAUSSIAN_NLL_LOSS, "the capture installed its stand-in"
+    with pytest.raises(ValueError, match="var has negative entry"):
+        F.gaussian_nll_loss(x, y, -var)                             # outside a capture: torch's own
