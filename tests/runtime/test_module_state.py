@@ -155,19 +155,27 @@ class PartlyNoGrad(torch.nn.Module):
         return (x * frozen_scale * self.weight * self.scale).sum()
 
 
-def test_no_grad_block_passes_no_gradient_as_in_torch():
-    torch.manual_seed(0)
-    model = PartlyNoGrad()
+def trained_as_torch(model: torch.nn.Module, batches: torch.Tensor, lr: float) -> torch.nn.Module:
+    """Train ``model`` with SGD, one step per batch, as a trainingModel running all the batches
+    in one call, and return a copy trained likewise by torch eager."""
     reference = copy.deepcopy(model)
-    x = torch.randn(2, 4, 3)
-    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for batch in x:
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
+    for batch in batches:
         torch_optimizer.zero_grad()
         reference(batch).backward()
         torch_optimizer.step()
-    ipu = poptorch.trainingModel(model, poptorch.Options().deviceIterations(2),
-                                 torch.optim.SGD(model.parameters(), lr=0.1))
-    ipu(x.reshape(-1, 3))
+    moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    assert moved > 1e-2, "torch eager did not train"
+    ipu = poptorch.trainingModel(model, poptorch.Options().deviceIterations(len(batches)),
+                                 torch.optim.SGD(model.parameters(), lr=lr))
+    ipu(batches.flatten(0, 1))
+    return reference
+
+
+def test_no_grad_block_passes_no_gradient_as_in_torch():
+    torch.manual_seed(0)
+    model = PartlyNoGrad()
+    reference = trained_as_torch(model, torch.randn(2, 4, 3), lr=0.1)
     assert_same_parameters(model, reference)
     torch.testing.assert_close(model.average, reference.average, rtol=RTOL, atol=ATOL)
 
@@ -194,16 +202,5 @@ class ChangedUnderNoGrad(torch.nn.Module):
 def test_values_changed_in_place_under_no_grad_keep_their_gradient_as_in_torch():
     torch.manual_seed(0)
     model = ChangedUnderNoGrad()
-    reference = copy.deepcopy(model)
-    x = torch.randn(2, 6, 4)
-    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
-    for batch in x:
-        torch_optimizer.zero_grad()
-        reference(batch).backward()
-        torch_optimizer.step()
-    moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
-    assert moved > 1e-2, "the reference did not train"
-    ipu = poptorch.trainingModel(model, poptorch.Options().deviceIterations(2),
-                                 torch.optim.SGD(model.parameters(), lr=0.05))
-    ipu(x.reshape(-1, 4))
+    reference = trained_as_torch(model, torch.randn(2, 6, 4), lr=0.05)
     assert_same_parameters(model, reference)
