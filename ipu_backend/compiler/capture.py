@@ -266,6 +266,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     if target is not module:
         _Anchored.drop(exported)
     _refuse_mutated_constants(exported, type(module).__name__)
+    _refuse_changes_through_detach(exported.graph_module)
     _detach_no_grad_regions(exported.graph_module)
     with without_treespec_deprecation():
         exported = (decompose or decompose_to_core_aten)(exported)
@@ -367,6 +368,43 @@ def _refuse_mutated_constants(exported: torch.export.ExportedProgram, model: str
             "compiled program, so the change would be lost. Make it a buffer of the module "
             "(`self.register_buffer(name, tensor, persistent=False)` in __init__) or an input of "
             "forward, whose new values the program keeps, as torch does")
+
+
+def _refuse_changes_through_detach(graph_module: torch.fx.GraphModule) -> None:
+    """A tensor changed in place through ``detach()`` (``y.detach().clamp_(...)``) and read
+    afterwards keeps its gradient history in torch; the decomposed program would give it none.
+    The same change under ``torch.no_grad()`` keeps it (``no_grad_update``): refused, naming that."""
+    order = {node: index for index, node in enumerate(graph_module.graph.nodes)}
+    for node in graph_module.graph.nodes:
+        for alias in node.all_input_nodes:
+            if alias.target is not torch.ops.aten.detach.default or not _writes(node, alias):
+                continue
+            base = alias.args[0]
+            if _has_gradient(base) and any(order[user] > order[node] for user in base.users):
+                where = user_location(node.meta.get("stack_trace")) or "unknown source line"
+                raise Error(f"the model changes a tensor in place through .detach() at {where} and uses the "
+                            "tensor afterwards: torch keeps its gradient history through such a change, which "
+                            "the compiled program would lose. Make the change on the tensor itself under "
+                            "`with torch.no_grad():` (y.clamp_(...)), which the compiled program follows as "
+                            "torch does")
+
+
+def _has_gradient(node: torch.fx.Node) -> bool:
+    """Whether ``node`` depends, through no ``detach``, on a placeholder that requires grad."""
+    stack, seen = [node], {node}
+    while stack:
+        current = stack.pop()
+        if current.op == "placeholder":
+            if getattr(current.meta.get("val"), "requires_grad", False):
+                return True
+            continue
+        if current.target is torch.ops.aten.detach.default:
+            continue
+        for source in current.all_input_nodes:
+            if source not in seen:
+                seen.add(source)
+                stack.append(source)
+    return False
 
 
 def _detach_no_grad_regions(graph_module: torch.fx.GraphModule) -> None:

@@ -204,3 +204,30 @@ def test_values_changed_in_place_under_no_grad_keep_their_gradient_as_in_torch()
     model = ChangedUnderNoGrad()
     reference = trained_as_torch(model, torch.randn(2, 6, 4), lr=0.05)
     assert_same_parameters(model, reference)
+
+
+class ChangedThroughDetach(torch.nn.Module):
+    """A tensor changed in place through ``detach()`` and used afterwards: the layer's output
+    (torch keeps its gradient history) or a copy of the input (no history to keep)."""
+
+    def __init__(self, change_output: bool):
+        super().__init__()
+        self.change_output = change_output
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.linear(x)
+        copy_of_x = x * 1
+        (y if self.change_output else copy_of_x).detach().clamp_(min=0.1)
+        return ((y + copy_of_x) ** 2).mean()
+
+
+def test_a_tensor_with_history_changed_through_detach_is_refused():
+    torch.manual_seed(0)
+    model = ChangedThroughDetach(change_output=True)
+    ipu = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
+    with pytest.raises(poptorch.Error, match=r"through \.detach\(\) at .*test_module_state.py.*torch.no_grad"):
+        ipu(torch.randn(6, 4))
+    model = ChangedThroughDetach(change_output=False)
+    reference = trained_as_torch(model, torch.randn(2, 6, 4), lr=0.05)
+    assert_same_parameters(model, reference)
