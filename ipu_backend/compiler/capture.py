@@ -29,6 +29,7 @@ from ipu_backend.compiler import (
     loops,
     loss_checks,
     metric_states,
+    refused_calls,
 )
 from ipu_backend.compiler.custom_ops import NO_GRAD_UPDATE
 from ipu_backend.compiler.sources import traceback_location, user_location
@@ -230,6 +231,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     precision = float32_precision.torch_setting()
     fused_losses.install(_CAPTURING.get)       # not torch.compile's tracing of a user's own code
     loss_checks.install(_CAPTURING.get)
+    refused_calls.install(_CAPTURING.get)
     containers.register((args, kwargs))
     # The module's results may hold container subclasses too: registered as it returns them.
     hook = module.register_forward_hook(lambda _, __, result: containers.register(result))

@@ -4,6 +4,7 @@ import importlib.util
 import linecache
 import os
 import re
+import sys
 import types
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
@@ -52,3 +53,14 @@ def traceback_location(tb: types.TracebackType | None) -> str | None:
             user = (path, tb.tb_lineno)
         tb = tb.tb_next
     return location(*user) if user else None
+
+
+def calling_user_location() -> str | None:
+    """``file:line: code`` of the innermost user frame on the current stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not is_library_file(path) and not path.startswith("<"):
+            return location(path, frame.f_lineno)
+        frame = frame.f_back
+    return None

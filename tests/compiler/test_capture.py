@@ -250,3 +250,24 @@ def test_capture_does_not_import_torchmetrics():
     result = subprocess.run([sys.executable, "-c", CAPTURE_IN_NEW_PROCESS], cwd=root, env=environment,
                             check=True, capture_output=True, text=True)
     assert result.stdout.split()[-1] == "False"
+
+
+class GradientPenalty(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        x = x.clone().requires_grad_(True)
+        out = torch.tanh(self.linear(x))
+        slope, = torch.autograd.grad(out.sum(), x, create_graph=True)  # the penalised slope
+        return out.mean() + (slope.norm(dim=1) - 1).pow(2).mean()
+
+
+def test_torch_autograd_grad_inside_forward_is_refused_naming_the_line():
+    line = line_of(__file__, "# the penalised slope")
+    with pytest.raises(Error, match=rf"torch.autograd.grad is called inside the captured program, at .*"
+                                    rf"test_capture.py:{line}: .*outside the compiled model"):
+        compile_module(GradientPenalty(), (torch.randn(3, 4),))
+    x = torch.randn(3, requires_grad=True)                 # outside a capture: torch's own
+    torch.testing.assert_close(torch.autograd.grad((x ** 2).sum(), x)[0], 2 * x.detach())
