@@ -413,27 +413,58 @@ def _detach_no_grad_regions(graph_module: torch.fx.GraphModule) -> None:
     """Detach what a ``torch.no_grad()`` block of the step computes, so that no gradient flows
     through it (torch records none there). torch.export marks such a block as a
     ``wrap_with_set_grad_enabled(False, ...)`` call, which decomposition would inline unmarked.
-    A tensor the block changes in place keeps its history in torch: its new value is a
-    ``no_grad_update`` of its old one, whose gradient flows to the old value unchanged."""
+    A tensor the block changes in place, itself or through a view, keeps its history in torch:
+    after the block it is a ``no_grad_update`` of its value before, whose gradient flows to that
+    value unchanged."""
     graph = graph_module.graph
+    order = {node: index for index, node in enumerate(graph.nodes)}
     for node in list(graph.nodes):
         if node.target is not torch.ops.higher_order.wrap_with_set_grad_enabled or node.args[0]:
             continue
         region = getattr(graph_module, node.args[1].target)
+        operands = node.args[2:]
+        before = {}
+        for operand in _changed_operands(region, operands):
+            with graph.inserting_before(node):       # a copy: a later use of the operand reads the change
+                before[operand] = graph.call_function(torch.ops.aten.clone.default, (operand,))
+            before[operand].meta.update(val=operand.meta.get("val"))
+            later = [use for use in operand.users if order.get(use, -1) > order[node]]
+            if later:
+                with graph.inserting_after(node):
+                    after = graph.call_function(NO_GRAD_UPDATE, (before[operand], operand))
+                after.meta.update(val=operand.meta.get("val"), stack_trace=operand.meta.get("stack_trace"))
+                for use in later:
+                    use.replace_input_with(operand, after)
         results = region.graph.output_node().args[0]
         for user in list(node.users):
             result = results[user.args[1]] if user.target is operator.getitem else None
-            source = _changed_operand(region, result, node.args[2:])
-            if source is not None:      # its value before the region: a later use reads the change
-                with graph.inserting_before(node):
-                    source = graph.call_function(torch.ops.aten.clone.default, (source,))
-                source.meta.update(val=source.args[0].meta.get("val"))
+            source = before.get(_changed_operand(region, result, operands))
             with graph.inserting_after(user):
                 kept = (graph.call_function(torch.ops.aten.detach.default, (user,)) if source is None else
                         graph.call_function(NO_GRAD_UPDATE, (source, user)))
             user.replace_all_uses_with(kept, delete_user_cb=lambda use: use is not kept)
             kept.meta.update(val=user.meta.get("val"), stack_trace=user.meta.get("stack_trace"))
     graph_module.recompile()
+
+
+def _changed_operands(region: torch.fx.GraphModule, operands: tuple) -> list:
+    """The operands of a ``no_grad`` region that it writes into, itself or through views."""
+    placeholders = [node for node in region.graph.nodes if node.op == "placeholder"]
+    written = {_viewed_placeholder(arg) for node in region.graph.nodes if node.op == "call_function"
+               for arg in node.all_input_nodes if _writes(node, arg)}
+    return [operand for placeholder, operand in zip(placeholders, operands)
+            if placeholder in written and isinstance(operand, torch.fx.Node)]
+
+
+def _viewed_placeholder(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The placeholder ``node`` is (a view or in-place result of, following first arguments)."""
+    while node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.arguments or schema.arguments[0].alias_info is None \
+                or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return None
+        node = node.args[0]
+    return node if node.op == "placeholder" else None
 
 
 def _changed_operand(region: torch.fx.GraphModule, result, operands: tuple):

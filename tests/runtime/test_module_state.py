@@ -181,9 +181,10 @@ def test_no_grad_block_passes_no_gradient_as_in_torch():
 
 
 class ChangedUnderNoGrad(torch.nn.Module):
-    """Tensors changed in place under ``torch.no_grad()`` keep their history in torch: the new
-    values flow on, the gradient passes to the old ones unchanged (``clone`` then ``clamp_``, as
-    ``F.gaussian_nll_loss`` clamps its variance; ``copy_``)."""
+    """Tensors changed in place under ``torch.no_grad()``, themselves or through views, keep their
+    history in torch: the new values flow on, the gradient passes to the old ones unchanged
+    (``clone`` then ``clamp_``, as ``F.gaussian_nll_loss`` clamps its variance; ``copy_``; a
+    column clamped or set through indexing)."""
 
     def __init__(self):
         super().__init__()
@@ -196,7 +197,11 @@ class ChangedUnderNoGrad(torch.nn.Module):
         with torch.no_grad():
             clamped.clamp_(min=0.1)
             doubled.copy_(doubled * 2)
-        return (clamped * doubled).sum() + (clamped ** 2).mean()
+        viewed = self.first(x * 2)
+        with torch.no_grad():
+            viewed[:, 0].clamp_(max=0.2)
+            viewed[:, 1] = 0.5
+        return (clamped * doubled).sum() + (clamped ** 2).mean() + (viewed ** 2).sum()
 
 
 def test_values_changed_in_place_under_no_grad_keep_their_gradient_as_in_torch():
