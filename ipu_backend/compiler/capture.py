@@ -379,16 +379,21 @@ def _refuse_changes_through_detach(graph_module: torch.fx.GraphModule) -> None:
     order = {node: index for index, node in enumerate(graph_module.graph.nodes)}
     for node in graph_module.graph.nodes:
         for alias in node.all_input_nodes:
-            if alias.target is not torch.ops.aten.detach.default or not _writes(node, alias):
-                continue
-            base = alias.args[0]
-            if _has_gradient(base) and any(order[user] > order[node] for user in base.users):
+            base = _detached_base(alias) if _writes(node, alias) else None
+            if base is not None and _has_gradient(base) and any(order[user] > order[node] for user in base.users):
                 where = user_location(node.meta.get("stack_trace")) or "unknown source line"
                 raise Error(f"the model changes a tensor in place through .detach() at {where} and uses the "
                             "tensor afterwards: torch keeps its gradient history through such a change, which "
                             "the compiled program would lose. Make the change on the tensor itself under "
                             "`with torch.no_grad():` (y.clamp_(...)), which the compiled program follows as "
                             "torch does")
+
+
+def _detached_base(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor whose ``detach()`` ``node`` is, or is a view or in-place result of."""
+    while node is not None and node.target is not torch.ops.aten.detach.default:
+        node = _alias_source(node)
+    return None if node is None else node.args[0]
 
 
 def _has_gradient(node: torch.fx.Node) -> bool:
@@ -457,14 +462,20 @@ def _changed_operands(region: torch.fx.GraphModule, operands: tuple) -> list:
 
 
 def _viewed_placeholder(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The placeholder ``node`` is (a view or in-place result of, following first arguments)."""
-    while node.op == "call_function":
-        schema = getattr(node.target, "_schema", None)
-        if schema is None or not schema.arguments or schema.arguments[0].alias_info is None \
-                or not node.args or not isinstance(node.args[0], torch.fx.Node):
-            return None
-        node = node.args[0]
-    return node if node.op == "placeholder" else None
+    """The placeholder ``node`` is, or is a view or in-place result of."""
+    while node is not None and node.op != "placeholder":
+        node = _alias_source(node)
+    return node
+
+
+def _alias_source(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor ``node`` is a view or in-place result of (an op whose first argument its result
+    aliases), or None."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.arguments or schema.arguments[0].alias_info is None \
+            or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    return node.args[0]
 
 
 def _changed_operand(region: torch.fx.GraphModule, result, operands: tuple):

@@ -16,7 +16,6 @@ in-place update touched: turning it into Python stays a branch on data, which ca
 """
 
 import hashlib
-import sys
 from dataclasses import dataclass, replace
 
 import jax
@@ -27,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _python_dispatch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ipu_backend.compiler.sources import is_library_file, location
+from ipu_backend.compiler.sources import calling_user_location
 from ipu_backend.errors import Error
 
 _CONVERSIONS = frozenset({
@@ -152,7 +151,8 @@ class _Tracking(TorchFunctionMode):
             expression = self.known[args[0]]
             with _python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction():
                 outcome = func(expression.evaluate(self.values, self.memo), *args[1:], **kwargs)
-            self.guards.append(Guard(expression, func, outcome, _user_line()))
+            where = calling_user_location() or "unknown source line"
+            self.guards.append(Guard(expression, func, outcome, where))
             return outcome
         result = func(*args, **kwargs)
         tensors = [a for a in torch_pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
@@ -173,17 +173,6 @@ class _Tracking(TorchFunctionMode):
                     if isinstance(item, torch.Tensor):
                         self.known[item] = Expression(call, index)
         return result
-
-
-def _user_line() -> str:
-    """``file:line: code`` of the innermost frame of the user's code now running."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        path = frame.f_code.co_filename
-        if not is_library_file(path) and not path.startswith("<"):
-            return location(path, frame.f_lineno)
-        frame = frame.f_back
-    return "unknown source line"
 
 
 class tracking:  # noqa: N801  (used as a context manager)
