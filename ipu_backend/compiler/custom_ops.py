@@ -91,3 +91,19 @@ made under ``torch.no_grad()``, whose gradient flows to ``source``, the tensor b
 torch records no operation for the change, so the tensor keeps its history (``clone`` then
 ``clamp_`` under ``no_grad`` passes the gradient through unchanged, as ``F.gaussian_nll_loss``
 relies on)."""
+
+
+@torch.library.custom_op("ipu_backend::unsupported_gradient", mutates_args=())
+def _unsupported_gradient(x: torch.Tensor, reason: str) -> torch.Tensor:
+    return x.clone()
+
+
+@_unsupported_gradient.register_fake
+def _(x, reason):
+    return torch.empty_like(x)
+
+
+UNSUPPORTED_GRADIENT = torch.ops.ipu_backend.unsupported_gradient.default
+"""``unsupported_gradient(x, reason)``: ``x``, whose gradient the compiled program cannot compute
+as torch would (the output of a ``torch.autograd.Function`` with a backward of its own): the
+forward runs, and differentiating the program through it raises ``reason``."""

@@ -271,3 +271,43 @@ def test_torch_autograd_grad_inside_forward_is_refused_naming_the_line():
         compile_module(GradientPenalty(), (torch.randn(3, 4),))
     x = torch.randn(3, requires_grad=True)                 # outside a capture: torch's own
     torch.testing.assert_close(torch.autograd.grad((x ** 2).sum(), x)[0], 2 * x.detach())
+
+
+
+class Reversed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, gradient):
+        return -gradient
+
+
+class WithCustomBackward(torch.nn.Module):
+    def __init__(self, hook: bool):
+        super().__init__()
+        self.hook = hook
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.linear(x)
+        if self.hook:
+            y.register_hook(lambda gradient: -gradient)  # a hook on the gradient
+            return y.sum()
+        return Reversed.apply(y).sum()  # a Function with its own backward
+
+
+def test_a_custom_backward_runs_forward_only_and_a_gradient_hook_is_refused_naming_the_line():
+    x = torch.randn(3, 4)
+    module = WithCustomBackward(hook=False)
+    program = compile_module(module, (x,))
+    params, buffers = program.state(module)
+    outputs, _ = program.fn(params, buffers, (to_jax(x),), jax.random.key(0))   # the forward runs
+    assert_close(outputs, module(x), 1e-5, 1e-6)
+    line = line_of(__file__, "# a Function with its own backward")
+    with pytest.raises(Error, match=rf"Function Reversed, applied at .*test_capture.py:{line}: .*cannot follow"):
+        jax.grad(lambda p: program.fn(p, buffers, (to_jax(x),), jax.random.key(0))[0])(params)
+    line = line_of(__file__, "# a hook on the gradient")
+    with pytest.raises(Error, match=rf"register_hook is called inside the captured program, at .*test_capture.py:{line}"):
+        compile_module(WithCustomBackward(hook=True), (x,))

@@ -5,7 +5,7 @@ import torch
 
 import ipu_backend as poptorch
 from ipu_backend import Error
-from ipu_backend.compiler.custom_ops import IDENTITY_LOSS, NO_GRAD_UPDATE, identity_loss
+from ipu_backend.compiler.custom_ops import IDENTITY_LOSS, NO_GRAD_UPDATE, UNSUPPORTED_GRADIENT, identity_loss
 from ipu_backend.compiler.hints import HINT
 from ipu_backend.compiler.host_calls import HOST_CALL
 from ipu_backend.compiler.tensor_print import PRINT_TENSOR
@@ -19,6 +19,18 @@ def _clamped_under_no_grad(x):
     with torch.no_grad():
         y.clamp_(max=2.0)
     return y * x
+
+
+class Doubled(torch.autograd.Function):
+    """A Function with a backward of its own: its forward runs in a compiled program."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, gradient):
+        return gradient * 2
 
 
 _SORT_ON_HOST = poptorch.CPU(lambda x: (torch.sort(x, dim=-1).values * 2, x.sum()), "SortOnHost")
@@ -35,6 +47,8 @@ CASES = [
     OpCase("cpu_op_runs_on_the_host", lambda x: [y + 1 for y in _SORT_ON_HOST(x.cos())],
            lambda dtype: (torch.randn(3, 4, dtype=dtype),), (torch.float32, torch.float16), grad=False,
            ops=(HOST_CALL,)),
+    OpCase("custom_function_forward_runs", lambda x: Doubled.apply(x.sin()) + 1,
+           lambda dtype: (torch.randn(3, 4, dtype=dtype),), grad=False, ops=(UNSUPPORTED_GRADIENT,)),
     OpCase("no_grad_update_keeps_the_history", _clamped_under_no_grad,
            lambda dtype: (torch.randn(3, 4, dtype=dtype),), ops=(NO_GRAD_UPDATE,)),
 ]

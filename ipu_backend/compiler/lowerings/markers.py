@@ -1,5 +1,6 @@
 """Lowerings: PopTorch's marker ops (``identity_loss``, ``recomputationCheckpoint``, compiler
-hints) and the in-place changes made under ``torch.no_grad()`` (``no_grad_update``)."""
+hints), the in-place changes made under ``torch.no_grad()`` (``no_grad_update``) and the values
+whose gradient cannot be taken (``unsupported_gradient``)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +11,11 @@ from ipu_backend.compiler.custom_ops import (
     NO_GRAD_UPDATE,
     RECOMPUTATION_CHECKPOINT,
     RECOMPUTATION_CHECKPOINT_NAME,
+    UNSUPPORTED_GRADIENT,
 )
 from ipu_backend.compiler.hints import HINT
 from ipu_backend.compiler.registry import lowering
+from ipu_backend.errors import Error
 
 
 @lowering(IDENTITY_LOSS)
@@ -55,3 +58,16 @@ def _backward(_, gradient):
 
 
 _value_with_gradient_of.defvjp(_forward, _backward)
+
+
+@lowering(UNSUPPORTED_GRADIENT)
+def unsupported_gradient(ctx, x, reason):
+    @jax.custom_vjp
+    def forward_only(value):
+        return value
+
+    def refuse(_, gradient):
+        raise Error(reason)
+
+    forward_only.defvjp(lambda value: (value, None), refuse)
+    return forward_only(x)
