@@ -9,7 +9,11 @@ be dropped silently, the program differentiating the forward instead. While a mo
 in the capturing thread, stand-ins refuse the first two from the user's code with an error naming
 its line, and mark a Function's outputs ``unsupported_gradient``: the forward runs (an inference
 model), and differentiating through it raises, naming the Function and its line. torch's own
-calls, and every call anywhere else, go to torch's functions.
+calls, and every call anywhere else, go to torch's functions, but one: torch's reentrant
+activation checkpoint (``checkpoint(fn, x, use_reentrant=True)``) runs ``fn`` under
+``torch.no_grad()`` and again with gradients in its backward, so the capture, which would detach
+its result, calls ``fn`` itself, under ``no_grad`` only where torch's checkpoint passes no
+gradient (no input requires one).
 """
 
 import sys
@@ -17,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 import torch.utils._pytree as torch_pytree
+from torch.utils.checkpoint import CheckpointFunction
 
 from ipu_backend.compiler.custom_ops import UNSUPPORTED_GRADIENT
 from ipu_backend.compiler.sources import calling_user_location, is_library_file
@@ -30,6 +35,15 @@ _TORCH_FUNCTION_APPLY = torch.autograd.Function.__dict__["apply"]
 def _from_user(capturing: Callable[[], bool]) -> bool:
     """Whether a model is being captured and the stand-in's caller is the user's code."""
     return capturing() and not is_library_file(sys._getframe(2).f_code.co_filename)
+
+
+def _checkpointed(function, inputs: tuple):
+    """``function(*inputs)`` as torch's reentrant checkpoint differentiates it: through the
+    function when an input requires a gradient, else not at all (its output then requires none)."""
+    if any(isinstance(value, torch.Tensor) and value.requires_grad for value in inputs):
+        return function(*inputs)
+    with torch.no_grad():
+        return function(*inputs)
 
 
 def install(capturing: Callable[[], bool]) -> None:
@@ -57,6 +71,8 @@ def install(capturing: Callable[[], bool]) -> None:
         return _TORCH_REGISTER_HOOK(tensor, hook)
 
     def apply(cls, *args, **kwargs):
+        if cls is CheckpointFunction and capturing():        # args: the function, preserve_rng_state, its inputs
+            return _checkpointed(args[0], args[2:])
         result = _TORCH_FUNCTION_APPLY.__func__(cls, *args, **kwargs)
         if not _from_user(capturing):
             return result

@@ -3,10 +3,12 @@
 submodule keeps its own ``training`` flag. Against torch eager, fp32 within 1e-5 relative."""
 
 import copy
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import ipu_backend as poptorch
 
@@ -236,3 +238,34 @@ def test_a_tensor_with_history_changed_through_detach_is_refused():
     model = ChangedThroughDetach(change_output=False)
     reference = trained_as_torch(model, torch.randn(2, 6, 4), lr=0.05)
     assert_same_parameters(model, reference)
+
+
+class Checkpointed(torch.nn.Module):
+    """Activation checkpointing the reentrant way, which runs the block under no_grad and again
+    with gradients in torch's backward: on the input (the block gets no gradient in torch: no
+    input of the checkpoint requires one) or on a layer's output."""
+
+    def __init__(self, after_layer: bool):
+        super().__init__()
+        self.after_layer = after_layer
+        self.first = torch.nn.Linear(4, 4)
+        self.block = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        hidden = torch.utils.checkpoint.checkpoint(self.block, self.first(x) if self.after_layer else x,
+                                                   use_reentrant=True)
+        return (self.head(hidden) ** 2).mean()
+
+
+@pytest.mark.parametrize("after_layer", [True, False], ids=["after_a_layer", "on_the_input"])
+def test_a_reentrant_activation_checkpoint_trains_as_in_torch(after_layer):
+    torch.manual_seed(0)
+    model = Checkpointed(after_layer)
+    block = copy.deepcopy(model.block)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "None of the inputs have requires_grad")
+        reference = trained_as_torch(model, torch.randn(2, 6, 4), lr=0.1)
+    assert_same_parameters(model, reference)
+    moved = any(not torch.equal(p, q) for p, q in zip(model.block.parameters(), block.parameters()))
+    assert moved == after_layer, "torch trains the block only through an input that requires a gradient"
