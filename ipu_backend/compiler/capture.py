@@ -16,6 +16,7 @@ import torch.fx.traceback
 import torch.utils._pytree as torch_pytree
 from torch._export import utils as _export_utils
 from torch.export import exported_program as _exported_program
+from torch.nn.modules import module as _module_hooks
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ipu_backend.compiler import (
@@ -277,6 +278,21 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     hints.check_overlaps(exported)
     exported.graph_module.meta[FLOAT32_PRECISION_KEY] = precision
     return exported
+
+
+def refuse_backward_hooks(module: torch.nn.Module) -> None:
+    """A module backward hook (``register_full_backward_hook``, its pre-hook, or a global one) is
+    called in torch's backward pass, which a compiled training program does not run: it would
+    be dropped silently, so it is refused, naming the module."""
+    hooked = [name or type(module).__name__ for name, sub in module.named_modules()
+              if sub._backward_hooks or sub._backward_pre_hooks]
+    if _module_hooks._global_backward_hooks or _module_hooks._global_backward_pre_hooks:
+        hooked.append("every module (a global hook)")
+    if hooked:
+        raise Error(f"{hooked[0]} has a backward hook (register_full_backward_hook or its pre-hook): torch "
+                    "calls it in its backward pass, which the compiled program does not run (it "
+                    "differentiates the program itself), so the hook would never be called. Remove it before "
+                    "compiling a training model, and compute what it does in forward or after the call")
 
 
 class _Anchored(torch.nn.Module):

@@ -23,6 +23,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from ipu_backend.compiler import containers, decomposition_cache, python_reads
+from ipu_backend.compiler.capture import refuse_backward_hooks
 from ipu_backend.errors import Error
 from ipu_backend.runtime import (
     compile_progress,
@@ -382,11 +383,16 @@ class Executor:
             cache.store(key, executable, compiled.layout.state())
         return executable, "compiled"
 
-    def _decompositions_kept(self):
-        """A block in which captures take and keep their decompositions to core ATen in this
-        executor's executable cache (``compiler.decomposition_cache``), as its programs are."""
+    @contextlib.contextmanager
+    def _capturing(self):
+        """The block a capture runs in: a training executor refuses module backward hooks (its
+        program never runs torch's backward), and captures take and keep their decompositions to
+        core ATen in this executor's executable cache (``compiler.decomposition_cache``)."""
+        if self._training:
+            refuse_backward_hooks(self._user_model)
         cache = self._executable_cache
-        return decomposition_cache.kept_in(None if cache is None else executable_cache.Decompositions(cache))
+        with decomposition_cache.kept_in(None if cache is None else executable_cache.Decompositions(cache)):
+            yield
 
     def _entry_key(self, shared_key: tuple | None) -> str | None:
         """The key in this executor's executable cache of the program with ``shared_key`` (None:

@@ -357,7 +357,7 @@ class ManualStepExecutor(Executor):
 
         object.__setattr__(model, _STEP_ATTRIBUTE, step)
         try:
-            with capture_modes(model, True, self._step_method), phase(CAPTURE), self._decompositions_kept():
+            with capture_modes(model, True, self._step_method), phase(CAPTURE), self._capturing():
                 return compile_module(model, micro if versions is None else (*micro, versions),
                                       method=_STEP_ATTRIBUTE, loop_repeated_layers=self._settings.loop_repeated_layers)
         finally:

@@ -269,3 +269,16 @@ def test_a_reentrant_activation_checkpoint_trains_as_in_torch(after_layer):
     assert_same_parameters(model, reference)
     moved = any(not torch.equal(p, q) for p, q in zip(model.block.parameters(), block.parameters()))
     assert moved == after_layer, "torch trains the block only through an input that requires a gradient"
+
+
+def test_a_module_backward_hook_is_refused_in_training_but_not_for_inference():
+    torch.manual_seed(0)
+    model = Checkpointed(after_layer=True)
+    model.head.register_full_backward_hook(lambda module, grad_input, grad_output: None)
+    x = torch.randn(6, 4)
+    training = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(poptorch.Error, match="head has a backward hook .*would never be called"):
+        training(x)
+    training.destroy()
+    inference = poptorch.inferenceModel(model)
+    torch.testing.assert_close(inference(x), model(x), rtol=RTOL, atol=ATOL)
