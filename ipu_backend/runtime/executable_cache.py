@@ -126,13 +126,13 @@ class ExecutableCache:
         """``(executable, layout state)`` stored under ``key``, loaded onto ``devices`` (a list, or
         a function of the layout state giving it), or None."""
         path = self._path(key)
-        try:
-            with open(path, "rb") as file, without_treespec_deprecation():
-                entry = pickle.load(file)
-            os.utime(path)
-        except (FileNotFoundError, NotADirectoryError):      # not cached (yet)
+        data = self.read(key, SUFFIX)
+        if data is None:
             return None
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError) as error:
+        try:
+            with without_treespec_deprecation():
+                entry = pickle.loads(data)
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError) as error:
             logger.warning("ignoring the unreadable executable cache entry %s (%s)", path, error)
             return None
         if not isinstance(entry, dict) or entry.get("format") != FORMAT:
