@@ -88,7 +88,7 @@ def key_of(exported: torch.export.ExportedProgram) -> str | None:
     try:
         return identity.digest((
             FORMAT,
-            [identity.graph_digest(graph) for graph in graphs],
+            identity.graph_digest(exported.graph_module),          # nested graphs included
             [[(node.name, node.meta.get("stack_trace"), _layout(node.meta.get("val"))) for node in graph.graph.nodes]
              for graph in graphs],
             list(exported.graph_signature.input_specs), list(exported.graph_signature.output_specs),
