@@ -414,20 +414,25 @@ def _detached_base(node: torch.fx.Node) -> torch.fx.Node | None:
 
 def _has_gradient(node: torch.fx.Node) -> bool:
     """Whether ``node`` depends, through no ``detach``, on a placeholder that requires grad."""
-    stack, seen = [node], {node}
+    return any(getattr(p.meta.get("val"), "requires_grad", False) for p in placeholders_reached(node))
+
+
+def placeholders_reached(node: torch.fx.Node, follows=lambda source: True) -> set[torch.fx.Node]:
+    """The placeholders ``node`` depends on through no ``detach`` (the paths autograd follows),
+    going only through the sources ``follows`` accepts."""
+    reached, stack, seen = set(), [node], {node}
     while stack:
         current = stack.pop()
         if current.op == "placeholder":
-            if getattr(current.meta.get("val"), "requires_grad", False):
-                return True
+            reached.add(current)
             continue
         if current.target is torch.ops.aten.detach.default:
             continue
         for source in current.all_input_nodes:
-            if source not in seen:
+            if source not in seen and follows(source):
                 seen.add(source)
                 stack.append(source)
-    return False
+    return reached
 
 
 def _detach_no_grad_regions(graph_module: torch.fx.GraphModule) -> None:

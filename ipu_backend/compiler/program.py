@@ -145,20 +145,8 @@ class Program:
         """The parameters whose values reach ``node`` through floating-point values and no
         ``detach``: those to which autograd gives a gradient of ``node`` (torch leaves the
         others' ``.grad`` None, and its optimizers skip them)."""
-        reached, stack, seen = set(), [node], {node}
-        while stack:
-            current = stack.pop()
-            if current.op == "placeholder":
-                if current.name in self.param_placeholders:
-                    reached.add(self.param_placeholders[current.name])
-                continue
-            if current.target is torch.ops.aten.detach.default:
-                continue
-            for source in current.all_input_nodes:
-                if source not in seen and _carries_gradient(source):
-                    seen.add(source)
-                    stack.append(source)
-        return frozenset(reached)
+        reached = capture.placeholders_reached(node, _carries_gradient)
+        return frozenset(self.param_placeholders[p.name] for p in reached if p.name in self.param_placeholders)
 
     @property
     def num_mutations(self) -> int:
