@@ -163,6 +163,7 @@ class Options(_OptionGroup):
             ipu_spec: IpuSpec = MK2,
             memory_check: str = DEFAULT_CHECK,
             loop_repeated_layers: bool = True,
+            autotune_matmuls: bool = False,
             input_group_size: int = 1,
             input_group_type: str | CommGroupType = CommGroupType.Consecutive,
     ) -> None:
@@ -203,6 +204,7 @@ class Options(_OptionGroup):
         self.setIpuSpec(ipu_spec)
         self.setMemoryCheck(memory_check)
         self.loopRepeatedLayers(loop_repeated_layers)
+        self.autotuneMatmuls(autotune_matmuls)
         self.inputReplicaGrouping(input_group_size, input_group_type)
         self._apply_environment()
 
@@ -272,6 +274,9 @@ class Options(_OptionGroup):
     loop_repeated_layers = _emulated(
         "loop_repeated_layers", "Whether runs of identical layers compile once, as one loop.",
         "loopRepeatedLayers")
+    autotune_matmuls = _emulated(
+        "autotune_matmuls", "Whether XLA tunes Triton kernels for the matrix products on GPUs.",
+        "autotuneMatmuls")
     input_group_size = _emulated("input_group_size", "Replicas in each group sharing input data.")
     input_group_type = _emulated(
         "input_group_type", "How replicas are placed in input groups (a CommGroupType).")
@@ -389,6 +394,16 @@ class Options(_OptionGroup):
         does not grow with depth; the numbers are the same either way. ``False`` compiles every
         layer inline."""
         self._values["loop_repeated_layers"] = _bool(enabled, "loop_repeated_layers")
+        return self
+
+    @_unless_frozen
+    def autotuneMatmuls(self, enabled: bool = True) -> Self:
+        """Beyond PopTorch: on NVIDIA GPUs, XLA generates Triton kernels for the matrix products
+        and times candidates of each while compiling (as ``torch.compile``'s
+        ``mode="max-autotune"`` does): products run faster, first calls take many times longer.
+        Off by default: the products are cuBLAS's, as torch eager's are. The numbers are the
+        same within float32 rounding either way; no effect on CPUs."""
+        self._values["autotune_matmuls"] = _bool(enabled, "autotune_matmuls")
         return self
 
     # Where the data of a call comes from.
@@ -637,7 +652,7 @@ class Options(_OptionGroup):
             auto_round_num_ipus=self.auto_round_num_ipus,
             recomputation=int(getattr(recomputation, "value", recomputation)),
             ipu_spec=self.ipu_spec, memory_check=self.memory_check, staging=_staging(self.execution_strategy),
-            loop_repeated_layers=self.loop_repeated_layers,
+            loop_repeated_layers=self.loop_repeated_layers, autotune_matmuls=self.autotune_matmuls,
             updatable_named_buffers=tuple(self.updatable_named_buffers), log_cycle_count=self.log_cycle_count,
             show_compilation_progress=self.show_compilation_progress_bar,
             synthetic_data=int(self._Popart.options.get("syntheticDataMode", 0)),

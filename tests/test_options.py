@@ -493,3 +493,12 @@ def test_an_option_group_can_be_given_a_subclass_as_popdist_does():
     opts.Distributed.__class__ = Wrapped
     assert isinstance(opts.Distributed, Wrapped) and opts.Distributed.numProcesses == 1
     assert opts.clone().Distributed.numProcesses == 1
+
+
+def test_autotune_matmuls_in_both_forms():
+    assert Options().autotune_matmuls is False
+    assert Options(autotune_matmuls=True) == Options().autotuneMatmuls() != Options()
+    assert Options().autotuneMatmuls().runtime_settings().autotune_matmuls is True
+    assert Options().autotuneMatmuls().runtime_settings().key != Options().runtime_settings().key
+    with pytest.raises(WrongArgumentType, match="autotune_matmuls must be a bool"):
+        Options().autotuneMatmuls("no")

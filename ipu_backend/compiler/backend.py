@@ -13,6 +13,11 @@ def on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
+def on_gpu() -> bool:
+    """Whether programs traced now compile for XLA's GPU backend (NVIDIA's or AMD's)."""
+    return jax.default_backend() == "gpu"
+
+
 def float32_precision(kind: Literal["matmul", "convolution"]) -> lax.Precision:
     """The precision of the float32 matrix products (``kind="matmul"``) or convolutions traced
     now: ``HIGHEST``, full float32, on the CPU and where the program follows torch's full

@@ -46,7 +46,7 @@ from ipu_backend.runtime.schedule import Schedule
 from ipu_backend.runtime.settings import RunSettings
 from ipu_backend.runtime.step import OutputLayout
 from ipu_backend.runtime.weights import release, weight_store
-from ipu_backend.runtime.xla_compile import compile_jitted, executables_from, substituted
+from ipu_backend.runtime.xla_compile import compile_jitted, executables_from, matmul_autotuning, substituted
 
 logger = logging.getLogger("ipu_backend")
 
@@ -418,10 +418,14 @@ class Executor:
         if key is not None and not self._executable_cache.holds(key):
             self._executable_cache.store(key, compiled.executable, compiled.layout.state())
 
+    @contextlib.contextmanager
     def _compilation(self):
         """A block in which this executor may compile: its phases shown (unless
-        ``Options.showCompilationProgressBar(False)``) and logged (``compile_progress``)."""
-        return compile_progress.compilation(self._kind(None), self._settings.show_compilation_progress)
+        ``Options.showCompilationProgressBar(False)``) and logged (``compile_progress``), with
+        the XLA options its settings ask for (``xla_compile``)."""
+        with (compile_progress.compilation(self._kind(None), self._settings.show_compilation_progress),
+              matmul_autotuning(self._settings.autotune_matmuls)):
+            yield
 
     def _kind(self, compiled: CompiledStep | None) -> str:
         """What the executor's programs compute, as the log names them."""

@@ -83,6 +83,7 @@ class RunSettings:
     memory_check: str = DEFAULT_CHECK
     staging: Staging | None = None          # None: no strategy set (a default PipelinedExecution)
     loop_repeated_layers: bool = True       # runs of identical layers compile once, as one loop
+    autotune_matmuls: bool = False          # XLA tunes Triton kernels for matrix products on GPUs
     updatable_named_buffers: tuple[str, ...] = ()   # what copyNamedBuffersToDevice copies
     log_cycle_count: bool = False           # cycleCount answers
     show_compilation_progress: bool = True  # showCompilationProgressBar: the display; compilationTime answers

@@ -2,8 +2,9 @@
 
 import contextlib
 import contextvars
+import os
 
-from ipu_backend.compiler.backend import on_cpu
+from ipu_backend.compiler.backend import on_cpu, on_gpu
 from ipu_backend.runtime.compile_progress import LOWERING, XLA_COMPILE, phase
 
 CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
@@ -12,7 +13,36 @@ update a weight in place once every reader of the old value has run, where the d
 copies some weights at the start of every iteration (same numbers, same compile time; the
 device time saved is in docs/performance.md)."""
 
+GPU_TRITON_GEMM = "xla_gpu_enable_triton_gemm"
+"""XLA's GPU option that has it generate Triton kernels for matrix products, choosing each one's
+tiling by compiling and timing candidates: most of a transformer's first call on a GPU, for
+products somewhat faster than cuBLAS's (docs/performance.md). Off unless an executor's
+``Options.autotuneMatmuls`` asks for it or ``XLA_FLAGS`` sets it."""
+
 _SOURCE = contextvars.ContextVar("ipu_backend_executable_source", default=None)
+_AUTOTUNE_MATMULS = contextvars.ContextVar("ipu_backend_autotune_matmuls", default=False)
+
+
+@contextlib.contextmanager
+def matmul_autotuning(enabled: bool):
+    """Within the block, programs compiled for GPUs get XLA's Triton matrix-product kernels,
+    tuned while compiling, when ``enabled`` (``Options.autotuneMatmuls``); else cuBLAS's."""
+    token = _AUTOTUNE_MATMULS.set(enabled)
+    try:
+        yield
+    finally:
+        _AUTOTUNE_MATMULS.reset(token)
+
+
+def compile_options() -> dict | None:
+    """The XLA options a program compiled now gets: :data:`CPU_OPTIONS` on XLA:CPU; on GPUs,
+    :data:`GPU_TRITON_GEMM` off unless autotuning is asked for or ``XLA_FLAGS`` sets it."""
+    if on_cpu():
+        return CPU_OPTIONS
+    if (on_gpu() and not _AUTOTUNE_MATMULS.get()
+            and GPU_TRITON_GEMM not in os.environ.get("XLA_FLAGS", "")):
+        return {GPU_TRITON_GEMM: False}
+    return None
 
 
 @contextlib.contextmanager
@@ -41,8 +71,8 @@ def compile_jitted(jitted, *args):
 
 
 def compile_lowered(lowered):
-    """``lowered.compile()``, with :data:`CPU_OPTIONS` when it compiles for XLA:CPU (or the
-    executable of :func:`executables_from`'s source)."""
+    """``lowered.compile()`` with :func:`compile_options` (or the executable of
+    :func:`executables_from`'s source)."""
     source = _SOURCE.get()
     if source is not None:
         return source(lowered)
@@ -50,7 +80,7 @@ def compile_lowered(lowered):
 
 
 def compile_now(lowered):
-    """``lowered.compile()`` by XLA, with :data:`CPU_OPTIONS` on XLA:CPU (a source of
+    """``lowered.compile()`` by XLA with :func:`compile_options` (a source of
     :func:`executables_from` may call it for a program it does not hold)."""
     with phase(XLA_COMPILE):
-        return lowered.compile(CPU_OPTIONS if on_cpu() else None)
+        return lowered.compile(compile_options())

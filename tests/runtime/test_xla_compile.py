@@ -1,14 +1,20 @@
 """The options the runtime compiles with: on XLA:CPU the device-iterations loop of the MLP bench
 (bench/device_iterations.py) updates its weights in place, with no copy of a weight in the loop's
 body (XLA's default copy insertion copied the output layer's weight at the start of every
-iteration)."""
+iteration); on GPUs, XLA's Triton matrix products only where ``Options.autotuneMatmuls`` asks."""
 
+import copy
 import re
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
 import ipu_backend as poptorch
+from ipu_backend.runtime import xla_compile
 
 
 class Classifier(torch.nn.Module):
@@ -41,3 +47,65 @@ def test_device_iterations_loop_updates_weights_without_copying_them():
     for body in bodies:
         copied = re.findall(r"= (f32\[[\d,]*\])\{[\d,]*\} copy\(", computation(hlo, body))
         assert not weight_shapes & set(copied), f"loop {body} copies weights shaped {copied}"
+
+
+# --- XLA's Triton matrix products on GPUs (Options.autotuneMatmuls) ---------------------------
+
+def on_a_gpu(monkeypatch):
+    """Have the runtime choose its compile options as for XLA's GPU backend (the programs still
+    compile for the CPU, which accepts every XLA option)."""
+    monkeypatch.setattr(xla_compile, "on_cpu", lambda: False)
+    monkeypatch.setattr(xla_compile, "on_gpu", lambda: True)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+
+
+def test_cpu_programs_compile_with_the_cpu_options():
+    assert xla_compile.compile_options() == xla_compile.CPU_OPTIONS
+
+
+def test_gpu_programs_compile_without_triton_products_unless_asked(monkeypatch):
+    on_a_gpu(monkeypatch)
+    assert xla_compile.compile_options() == {xla_compile.GPU_TRITON_GEMM: False}
+    with xla_compile.matmul_autotuning(True):
+        assert xla_compile.compile_options() is None
+    with xla_compile.matmul_autotuning(False):
+        assert xla_compile.compile_options() == {xla_compile.GPU_TRITON_GEMM: False}
+
+
+def test_xla_flags_naming_triton_products_are_followed(monkeypatch):
+    on_a_gpu(monkeypatch)
+    monkeypatch.setenv("XLA_FLAGS", f"--{xla_compile.GPU_TRITON_GEMM}=true")
+    assert xla_compile.compile_options() is None
+
+
+def test_the_gpu_option_is_one_xla_accepts():
+    """A misspelt option would fail every GPU compilation: XLA refuses unknown names."""
+    x = jnp.arange(16.0).reshape(4, 4)
+    lowered = jax.jit(lambda a: a @ a).lower(x)
+    np.testing.assert_array_equal(lowered.compile({xla_compile.GPU_TRITON_GEMM: False})(x), np.asarray(x @ x))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="No such compile option"):
+        lowered.compile({xla_compile.GPU_TRITON_GEMM + "_misspelt": False})
+
+
+@pytest.mark.parametrize("autotune", [False, True])
+def test_executors_compile_with_their_autotuning_setting_and_torch_numbers(monkeypatch, autotune):
+    on_a_gpu(monkeypatch)
+    asked = []
+    choose = xla_compile.compile_options
+    monkeypatch.setattr(xla_compile, "compile_options", lambda: asked.append(choose()) or asked[-1])
+    torch.manual_seed(0)
+    model, x, y = Classifier(), torch.randn(32, 64), torch.randint(0, 10, (32,))
+    reference = copy.deepcopy(model)
+    options = poptorch.Options().autotuneMatmuls(autotune).enableExecutableCaching(None)
+    training = poptorch.trainingModel(model, options, torch.optim.SGD(model.parameters(), lr=0.1))
+    _, loss = training(x, y)
+    expected_options = None if autotune else {xla_compile.GPU_TRITON_GEMM: False}
+    assert asked and all(chosen == expected_options for chosen in asked)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    expected_loss = reference(x, y)[1]
+    expected_loss.backward()
+    optimizer.step()
+    training.copyWeightsToHost()
+    torch.testing.assert_close(loss, expected_loss.detach(), rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
