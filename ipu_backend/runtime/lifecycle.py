@@ -496,8 +496,8 @@ class Executor:
     def _start(self, packing: Packing = Packing()) -> None:
         """Before a call (or ``compile``): a new executor starts from the module's current host
         weights and buffers, host writes included, its parameters laid out as ``packing`` says
-        (stacked on the host: no conversion on the device); a Lightning step also takes the host
-        writes callbacks made since its last call (see ``weights.py``). As in PopTorch, an
+        (stacked on the host: no conversion on the device); a later call takes the host writes
+        made since the last one (see ``weights.py``). As in PopTorch, an
         inference call after another executor's training calls first makes the implicit copy of
         their weights to the host (that executor's ``copyWeightsToHost``)."""
         if not self._training:
@@ -509,5 +509,5 @@ class Executor:
             self._store.check_buffer_names(self._settings.updatable_named_buffers)
             self._started = True
             self._store.load_from_host(packing)
-        elif self._step_method is not None:
+        else:
             self._store.load_host_writes()

@@ -9,10 +9,9 @@ updates under ``torch.no_grad()``, a new tensor assigned; a write through ``.dat
 version counter and is not seen) is never overwritten by device state computed before it: copying
 the device's weights back skips the tensors written since the device's last update. A new
 executor starts from the host's weights and buffers (:meth:`WeightStore.load_from_host` at its
-first call). An existing one keeps PopTorch's rule: host edits reach it through
-``copyWeightsToDevice``; its next call otherwise runs from the device's weights, which then
-replace the edits. A Lightning step, which has no such call to make, takes the host writes made
-since its last call (by callbacks) at its next one (:meth:`WeightStore.load_host_writes`).
+first call); an existing one takes the host writes made since its last call at its next one
+(:meth:`WeightStore.load_host_writes`), as torch would compute with them: PopTorch would run
+from the device's weights until ``copyWeightsToDevice``, a result no torch program gives.
 
 Calls and copies of one module's weights hold its store's lock, so executors sharing them may be
 called from several threads: one call at a time, every update kept.
@@ -34,6 +33,17 @@ _STORES: "weakref.WeakKeyDictionary[torch.nn.Module, WeightStore]" = weakref.Wea
 
 def _host_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*torch.nn.Module.named_parameters(module), *torch.nn.Module.named_buffers(module)]
+
+
+_RUNNING_STATISTICS = ("running_mean", "running_var")
+
+
+def _running_statistics_updated(written: set[str], names: set[str]) -> set[str]:
+    """The running statistics a batch norm's forward on the host updated: torch's batch-norm
+    kernels write them without a version-counter bump, but the forward that does so counts
+    ``num_batches_tracked`` up beside them, in place, which is seen."""
+    prefixes = [name[:-len("num_batches_tracked")] for name in written if name.split(".")[-1] == "num_batches_tracked"]
+    return {prefix + statistic for prefix in prefixes for statistic in _RUNNING_STATISTICS} & names
 
 
 class WeightStore:
@@ -124,7 +134,9 @@ class WeightStore:
 
     def load_host_writes(self) -> None:
         """Only the tensors the host wrote since the device's last update become the device's
-        (the device keeps the rest, which may be newer than the host's copy)."""
+        (the device keeps the rest, which may be newer than the host's copy); a member of a
+        stack is written into its row. The callbacks get the keys written, in the store's layout
+        (a stack's key for its members)."""
         with self.lock:
             if self.params is None:
                 return
@@ -132,14 +144,23 @@ class WeightStore:
             if not written:
                 return
             tensors = [(n, t) for n, t in _host_tensors(self.module) if n in written]
+            rows = {name: (stack.key, row) for stack in self.packing.stacks for row, name in enumerate(stack.members)}
+            params, buffers, keys = dict(self.params), dict(self.buffers), set()
             for name, tensor in tensors:
-                if name in self.params:
-                    self.params = {**self.params, name: to_jax(tensor, f"parameter {name}")}
-                elif name in self.buffers:
-                    self.buffers = {**self.buffers, name: to_jax(tensor, f"buffer {name}")}
+                if name in rows:
+                    key, row = rows[name]
+                    params[key] = params[key].at[row].set(to_jax(tensor, f"parameter {name}"))
+                elif name in params:
+                    key, params[name] = name, to_jax(tensor, f"parameter {name}")
+                elif name in buffers:
+                    key, buffers[name] = name, to_jax(tensor, f"buffer {name}")
+                else:
+                    continue
+                keys.add(key)
+            self.params, self.buffers = params, buffers
             self._agree(tensors)
             for callback in self.on_host_load:
-                callback(written)
+                callback(keys)
 
     def forget(self, executor) -> bool:
         """The device's weights reach the host and ``executor`` leaves them (its callbacks too);
@@ -169,7 +190,9 @@ class WeightStore:
 
     def host_writes(self) -> set[str]:
         """The host tensors written since the device's last update (or never loaded)."""
-        return {name for name, tensor in _host_tensors(self.module) if not self._agrees(name, tensor)}
+        tensors = _host_tensors(self.module)
+        written = {name for name, tensor in tensors if not self._agrees(name, tensor)}
+        return written | _running_statistics_updated(written, {name for name, _ in tensors})
 
     def sync_to_host(self) -> None:
         """Write the device's weights into the module's tensors, in place (``copyWeightsToHost``),

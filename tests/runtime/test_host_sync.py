@@ -1,6 +1,6 @@
 """Device state and the host's view of it: a new executor starts from the module's current host
 weights and buffers, a host write is never overwritten by device state computed before it, an
-existing executor keeps PopTorch's rule (``copyWeightsToDevice`` after host edits), and reading an
+existing executor takes host writes at its next call (as torch computes with them), and reading an
 optimizer's ``state_dict()`` gives the device's state. Against torch eager, fp32 within 1e-5."""
 
 import copy
@@ -93,28 +93,85 @@ def test_host_write_survives_reading_the_module_before_copy_to_device():
         assert torch.equal(value, edited[name]), name
 
 
-def test_existing_executor_keeps_poptorchs_rule():
-    """Host edits reach an existing executor through copyWeightsToDevice; without it the next
-    call runs from the device's weights, which then replace the host's."""
-    model, ipu, _, reference, torch_optimizer = trained("torch.optim.SGD")
+def continued_in_torch(reference, torch_optimizer):
+    """torch's twins of a trained module and its optimizer, to train on from where they are."""
     continued = copy.deepcopy(reference)
     continued_optimizer = OPTIMIZERS["torch.optim.SGD"](continued.parameters())
     continued_optimizer.load_state_dict(torch_optimizer.state_dict())
-    xs, ys = data()
-    torch_steps(continued, continued_optimizer, xs, ys)
+    return continued, continued_optimizer
 
+
+HOST_WRITES = {
+    "in place under no_grad": lambda m: m.linear.weight.mul_(0.5),
+    "copy_": lambda m: m.linear.bias.copy_(torch.ones(3)),
+    "a buffer reset": lambda m: m.norm.reset_running_stats(),
+    "load_state_dict": lambda m: m.load_state_dict({k: v * 0.5 for k, v in m.state_dict().items()}),
+    "a new tensor as .data": lambda m: setattr(m.linear.weight, "data", torch.full((3, 4), 0.25)),
+}
+
+
+@pytest.mark.parametrize("write", HOST_WRITES)
+def test_host_writes_reach_an_existing_executor_at_its_next_call(write):
+    """A write on the host between calls is what the next call computes with, as in torch (PopTorch
+    would run from the device's weights until copyWeightsToDevice)."""
+    model, ipu, _, reference, torch_optimizer = trained("torch.optim.SGD")
+    continued, continued_optimizer = continued_in_torch(reference, torch_optimizer)
+    xs, ys = data()
     with torch.no_grad():
-        model.linear.weight.zero_()
+        HOST_WRITES[write](model)
+        HOST_WRITES[write](continued)
     ipu(xs.reshape(-1, 4), ys.reshape(-1, 3))
+    torch_steps(continued, continued_optimizer, xs, ys)
     assert_same_state(model, continued)
 
+
+def test_copy_weights_to_device_after_host_writes_changes_nothing_more():
+    model, ipu, _, reference, torch_optimizer = trained("torch.optim.SGD")
+    continued, continued_optimizer = continued_in_torch(reference, torch_optimizer)
+    xs, ys = data()
     with torch.no_grad():
         model.linear.weight.zero_()
         continued.linear.weight.zero_()
     ipu.copyWeightsToDevice()
-    torch_steps(continued, continued_optimizer, xs, ys)
     ipu(xs.reshape(-1, 4), ys.reshape(-1, 3))
+    torch_steps(continued, continued_optimizer, xs, ys)
     assert_same_state(model, continued)
+
+
+class Stack(torch.nn.Module):
+    """Three identical layers: trained as one loop over their stacked weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
+
+    def forward(self, x, y):
+        out = self.layers(x)
+        return out, F.mse_loss(out, y)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_host_write_to_one_of_repeated_layers_reaches_its_row_of_the_stack(replicas):
+    torch.manual_seed(0)
+    model = Stack()
+    reference = copy.deepcopy(model)
+    options = poptorch.Options().deviceIterations(2).replicationFactor(replicas)
+    ipu = poptorch.trainingModel(model, options, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    generator = torch.Generator().manual_seed(5)
+    for call in range(2):
+        x = torch.randn(2 * replicas * 8, 4, generator=generator)
+        y = torch.randn(2 * replicas * 8, 4, generator=generator)
+        if call == 1:
+            with torch.no_grad():
+                model.layers[1].weight.mul_(-1.0)
+                reference.layers[1].weight.mul_(-1.0)
+        ipu(x, y)
+        for step_x, step_y in zip(x.chunk(2), y.chunk(2)):     # a step is a batch of every replica
+            torch_optimizer.zero_grad()
+            reference(step_x, step_y)[1].backward()
+            torch_optimizer.step()
+    assert_same_state(model, reference)
 
 
 def test_an_implicit_copy_is_the_training_models_copy_weights_to_host():
@@ -212,3 +269,39 @@ def test_optimizer_state_loaded_on_the_host_reaches_the_device():
         for slot, value in slots.items():
             torch.testing.assert_close(ipu_optimizer.state_dict()["state"][index][slot], value,
                                        rtol=RTOL, atol=ATOL)
+
+
+class Scale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return poptorch.identity_loss(x * self.weight, "sum")
+
+
+def test_a_host_write_to_a_half_weight_becomes_its_master_copy():
+    """With master weights the device updates a float32 copy: a host write replaces it too."""
+    model = Scale().half()
+    training = poptorch.trainingModel(model, poptorch.Options(device_iterations=50, master_weights=True),
+                                      torch.optim.SGD(model.parameters(), lr=1e-4))
+    training(torch.ones(50, 4).half())
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    training(torch.ones(50, 4).half())
+    expected = 2.0 - 50 * 1e-4        # each step's 1e-4 is kept by the float32 master copy
+    torch.testing.assert_close(model.weight.float(), torch.full((4,), expected), rtol=0, atol=2 ** -10)
+
+
+def test_an_inference_executor_computes_with_weights_trained_on_the_host_since():
+    """PopTorch's inference model would keep the weights of its first call (its
+    ``test_implicit_first_time_copy_negative``); torch's module computes with the trained ones."""
+    torch.manual_seed(0)
+    model = Net()
+    x, y = torch.randn(8, 4), torch.randn(8, 3)
+    inference = poptorch.inferenceModel(model)
+    inference(x)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch_steps(model, optimizer, x[None], y[None])
+    expected = copy.deepcopy(model).eval()(x)
+    torch.testing.assert_close(inference(x), expected, rtol=RTOL, atol=ATOL)
