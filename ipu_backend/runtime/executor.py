@@ -24,9 +24,10 @@ from ipu_backend.runtime.lifecycle import (
     NO_EXECUTABLE,
     CompiledStep,
     Executor,
+    ProgramKey,
     first_micro_batch,
     input_signature,
-    optimizer_state,
+    optimizer_state_for,
 )
 from ipu_backend.runtime.module_modes import capture_modes
 from ipu_backend.runtime.module_repr import module_repr
@@ -388,9 +389,9 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
 
     def _cache_key(self, args: tuple, groups: tuple | None, keywords: tuple) -> tuple:
         structure = None if groups is None else (groups[0],) + tuple(group[0] for group in groups[1:])
-        return (self._training, self._step_method, self._settings.key, structure, self._gradient_clipping, self._keep_gradients,
-                float32_precision.program_key(), input_signature(args), keywords,
-                tuple(self._weight_groupings.items()))
+        settings = (self._training, self._step_method, self._settings.key, self._gradient_clipping,
+                    self._keep_gradients, tuple(self._weight_groupings.items()))
+        return ProgramKey(settings, structure, float32_precision.program_key(), (input_signature(args), keywords))
 
     def _compile(self, args: tuple, groups: tuple | None, keywords: tuple = ()) -> tuple[CompiledStep, tuple]:
         """The compiled step for ``args`` and the inputs its call takes: ``args``, and when the
@@ -408,10 +409,8 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
                 return compiled, inputs
             known = compiled.program.variants
         elif self._last_signature is not None and not stale:
-            warnings.warn("the inputs' shapes or dtypes (or torch's float32 precision settings) "
-                          "changed since the last call: compiling again for the new ones (each "
-                          "distinct signature is compiled once)",
-                          stacklevel=3)
+            warnings.warn(f"{signature.changes(self._last_signature)} changed since the last call: compiling "
+                          "again for the new ones (each distinct signature is compiled once)", stacklevel=3)
         self._last_signature = signature
         float32_precision.note_compiled(float32_precision.program_key())
         schedule = self._schedule()
@@ -586,10 +585,9 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
                      loss_index, self._step_method, self._gradient_clipping)
 
     def _optimizer_state(self, rule, params):
-        if self._opt_state is None:
-            self._opt_state = optimizer_state(rule, self._optimizer, params)
-            if self._schedule().master_weights:
-                self._opt_state = {"rule": self._opt_state, "master": master_copy(params)}
+        self._opt_state = optimizer_state_for(rule, self._opt_state, self._state_rules[0] if self._state_rules else None,
+                                              self._optimizer, params, params if self._schedule().master_weights else None)
+        self._state_rules = (rule,)
         return self._opt_state
 
     def _scaler_state(self, rule, hyper):

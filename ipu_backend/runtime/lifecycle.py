@@ -16,6 +16,7 @@ import copy
 import logging
 import time
 import warnings
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -44,7 +45,7 @@ from ipu_backend.runtime.random_state import seed_key
 from ipu_backend.runtime.recording import NullRecorder, ProgramFacts, StageFacts
 from ipu_backend.runtime.schedule import Schedule
 from ipu_backend.runtime.settings import RunSettings
-from ipu_backend.runtime.step import OutputLayout
+from ipu_backend.runtime.step import OutputLayout, master_copy
 from ipu_backend.runtime.weights import release, weight_store
 from ipu_backend.runtime.xla_compile import compile_jitted, executables_from, matmul_autotuning, substituted
 
@@ -104,6 +105,20 @@ class CompiledStep:
         return view
 
 
+class ProgramKey(NamedTuple):
+    """What selects one of an executor's compiled programs; :meth:`changes` names what differs."""
+
+    settings: tuple
+    param_groups: tuple | None
+    float32_precision: object
+    inputs: tuple
+
+    def changes(self, other: "ProgramKey") -> str:
+        named = {"settings": "the executor's settings", "param_groups": "the optimizer's param groups",
+                 "float32_precision": "torch's float32 precision settings", "inputs": "the inputs' shapes, dtypes or other values"}
+        return " and ".join(named[field] for field in self._fields if getattr(self, field) != getattr(other, field))
+
+
 def input_signature(args: tuple) -> tuple:
     """The shapes and dtypes of ``args`` (and any non-tensor values), with their structure: a
     flat tuple of tensors, the usual call, is told apart without building a pytree spec."""
@@ -152,6 +167,31 @@ def optimizer_state(rule, optimizer: torch.optim.Optimizer, params: dict):
     eager steps), else fresh."""
     has_torch_state = any(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"])
     return rule.state_from_torch(optimizer, params) if has_torch_state else rule.init(params)
+
+
+def optimizer_state_for(rule, state, old_rule, optimizer: torch.optim.Optimizer, params: dict, master_names=None):
+    """The device's optimizer state for ``rule``: ``state`` (laid out for ``old_rule``) as it is,
+    carried over when the optimizer's param groups changed since, or made when there is none
+    (with the float32 master copies of ``master_names`` under master weights)."""
+    if state is None:
+        made = optimizer_state(rule, optimizer, params)
+        return made if master_names is None else {"rule": made, "master": master_copy({n: params[n] for n in master_names})}
+    if rule is old_rule or rule.structure == old_rule.structure:
+        return state
+    return carried_optimizer_state(old_rule, state, rule, params, master_names)
+
+
+def carried_optimizer_state(old_rule, state, rule, params: dict, master_names=None):
+    """The device state ``state`` of ``old_rule`` for ``rule``, a rule of the same torch optimizer
+    after its param groups changed: each parameter keeps its state, a new one starts fresh
+    (``OptimizerRule.carried_over``). With master weights (``master_names``: the parameters
+    whose float32 copies the state holds), each keeps its master copy too."""
+    if master_names is None:
+        return rule.carried_over(old_rule.members_state(state), params)
+    kept = state["master"]
+    master = {name: kept[name] if name in kept and kept[name].shape == fresh.shape else fresh
+              for name, fresh in master_copy({name: params[name] for name in master_names}).items()}
+    return {"rule": rule.carried_over(old_rule.members_state(state["rule"]), params), "master": master}
 
 
 def _copy_back_inputs(result, args: tuple, indices: tuple):
@@ -244,6 +284,8 @@ class Executor:
         """Whether a call (or ``compile``) has run: the first starts from the module's host state."""
         self._opt_states_on_host = True
         """Whether the torch optimizers' ``state`` holds what the device's optimizer state holds."""
+        self._state_rules = ()
+        """The rules the device's optimizer states are laid out for, one per torch optimizer."""
         self._schedule_value = self._make_schedule()
         self._mesh_value = None
         if training:
@@ -485,11 +527,10 @@ class Executor:
         """The optimizer state on the device, written into the torch optimizers (when the host
         reads the weights, or an optimizer's ``state_dict``), unless it is there already."""
         with self._store.lock:
-            compiled = next(iter(self._compiled.values()), None)
             states = self._device_optimizer_states()
-            if states is None or compiled is None or self._opt_states_on_host:
+            if states is None or self._opt_states_on_host:
                 return
-            for rule, state, optimizer in zip(compiled.rules, jax.device_get(states), self._torch_optimizers()):
+            for rule, state, optimizer in zip(self._state_rules, jax.device_get(states), self._torch_optimizers()):
                 rule.state_to_torch(state, optimizer)
             self._opt_states_on_host = True
 

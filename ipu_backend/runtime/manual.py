@@ -66,7 +66,14 @@ from ipu_backend.errors import Error
 from ipu_backend.runtime.clipping import GradientClipping
 from ipu_backend.runtime.devices import REPLICA
 from ipu_backend.runtime.compile_progress import CAPTURE, phase
-from ipu_backend.runtime.lifecycle import CompiledStep, Executor, first_micro_batch, input_signature, optimizer_state
+from ipu_backend.runtime.lifecycle import (
+    CompiledStep,
+    Executor,
+    carried_optimizer_state,
+    first_micro_batch,
+    input_signature,
+    optimizer_state,
+)
 from ipu_backend.runtime.multi_ipu_builder import check_ipu_count
 from ipu_backend.runtime.optimizers import notice_subclass
 from ipu_backend.runtime.module_modes import capture_modes
@@ -246,9 +253,17 @@ class ManualStepExecutor(Executor):
         self._start()
         params, buffers = self._store.device_state()
         hypers, loss_scale = self._hyperparameters(compiled, schedule.device_iterations)
+        if self._opt_states is not None and compiled.rules != self._state_rules and any(
+                new.structure != old.structure for new, old in zip(compiled.rules, self._state_rules)):
+            master = self._schedule().master_weights
+            self._opt_states = tuple(
+                carried_optimizer_state(old, state, new, params,
+                                        [key for names in new.groups for key in names] if master else None)
+                for old, state, new in zip(self._state_rules, self._opt_states, compiled.rules))
         if self._opt_states is None:
             self._opt_states = tuple(self._optimizer_state(rule, opt, params, group)
                                      for rule, opt, group in zip(compiled.rules, self._optimizers, self._groups))
+        self._state_rules = compiled.rules
         if self._scaler is None and schedule.dynamic_loss_scaling:
             self._scaler = initial_scaler(loss_scale if loss_scale != 1.0 else None)
         index = self._next_call_index()
@@ -335,7 +350,9 @@ class ManualStepExecutor(Executor):
         return {"rule": state, "master": master_copy({n: params[n] for n in group})}
 
     def _compile(self, args: tuple) -> CompiledStep:
-        signature = (float32_precision.program_key(),) + input_signature(args)
+        groups = tuple(tuple(tuple((id(p), p.requires_grad) for p in group["params"]) for group in optimizer.param_groups)
+                       for optimizer in self._optimizers)     # fine-tuning changes them between calls
+        signature = (float32_precision.program_key(), groups) + input_signature(args)
         compiled = self._compiled.get(signature)
         if compiled is None or self._reads_changed(compiled):
             float32_precision.note_compiled(float32_precision.program_key())

@@ -137,6 +137,8 @@ class OptimizerRule:
             key for key, members in self.stacked.items() if without_gradient.issuperset(members))
         self.names = tuple(name for names in self.groups for name in names if name not in self.without_gradient)
         self._param_ids = self._ids(optimizer)
+        self._group_params = tuple(tuple(group["params"]) for group in optimizer.param_groups)
+        """The parameters of each group, as the optimizer held them."""
         self._options, self._group_options = self._static(optimizer)
         self.accum_dtype = state_dtype(optimizer, "accum_type")
         """dtype for accumulating gradients over micro-batches (PopTorch's ``accum_type``)."""
@@ -213,12 +215,16 @@ class OptimizerRule:
         return new_params, new_state
 
     def state_to_torch(self, state: Mapping, optimizer: torch.optim.Optimizer) -> None:
-        """Write ``state`` into ``optimizer.state`` as torch's own step would have left it."""
-        self._require_same(optimizer)
-        for options, names, group in zip(self._group_options, self.member_groups, optimizer.param_groups):
-            for name, param in zip(names, group["params"]):
+        """Write ``state`` into ``optimizer.state`` as torch's own step would have left it, for
+        each parameter of this rule's groups that the optimizer still holds, in whichever group
+        holds it now (``add_param_group`` may have changed them since the rule was built)."""
+        group_of = {id(param): group for group in optimizer.param_groups for param in group["params"]}
+        for options, names, params in zip(self._group_options, self.member_groups, self._group_params):
+            for name, param in zip(names, params):
+                if id(param) not in group_of:
+                    continue          # left the optimizer, which no longer updates its state
                 slots = {slot: np.asarray(value) for slot, value in self._member_state(state, name).items()}
-                torch_state = self._to_torch(slots, group, options)
+                torch_state = self._to_torch(slots, group_of[id(param)], options)
                 if torch_state:
                     optimizer.state[param] = torch_state
                 else:
@@ -229,14 +235,47 @@ class OptimizerRule:
         """The state held in ``optimizer.state`` (e.g. after ``load_state_dict``); parameters
         without torch state start fresh."""
         self._require_same(optimizer)
+
+        def slots_of(group_index: int, position: int, name: str, fresh: dict) -> dict:
+            group = optimizer.param_groups[group_index]
+            torch_state = optimizer.state.get(group["params"][position])
+            if not torch_state:
+                return fresh
+            return self._from_torch(torch_state, fresh, group, self._group_options[group_index], name)
+
+        return self._placed(params, slots_of)
+
+    def members_state(self, state: Mapping) -> dict:
+        """Each parameter's state slots by name, a stack's members apart (for :meth:`carried_over`)."""
+        return {name: self._member_state(state, name) for names in self.member_groups for name in names}
+
+    def carried_over(self, members: Mapping[str, dict], params: Mapping[str, jax.Array]) -> dict:
+        """State for this rule in which each parameter in ``members`` (another rule's
+        :meth:`members_state`, the same optimizer's before its param groups changed) keeps its
+        slots and the others start fresh, as torch keeps a parameter's state, keyed by the
+        parameter, when ``add_param_group`` or a change of ``requires_grad`` changes the groups."""
+
+        def slots_of(group_index: int, position: int, name: str, fresh: dict) -> dict:
+            kept = members.get(name)
+            if kept is None:
+                return fresh
+            if set(kept) != set(fresh):
+                raise Error(f"the {self.algorithm} state of parameter {name} does not carry over to its "
+                            f"param group's options (slots {sorted(kept)} -> {sorted(fresh)}); torch's "
+                            "step would fail on it too: give the parameter a group with the options it "
+                            "was trained with, or a new optimizer")
+            return kept
+
+        return self._placed(params, slots_of)
+
+    def _placed(self, params: Mapping[str, jax.Array], slots_of) -> dict:
+        """Fresh state with each parameter's slots replaced by ``slots_of(group index, position
+        in the group, name, fresh slots)``, a stack's members stacked again."""
         state = self.init(params)
         members = {}
-        for options, names, group in zip(self._group_options, self.member_groups, optimizer.param_groups):
-            for name, param in zip(names, group["params"]):
-                torch_state = optimizer.state.get(param)
-                slots = self._member_state(state, name)
-                if torch_state:
-                    slots = self._from_torch(torch_state, slots, group, options, name)
+        for group_index, names in enumerate(self.member_groups):
+            for position, name in enumerate(names):
+                slots = slots_of(group_index, position, name, self._member_state(state, name))
                 if name in self._member_of:
                     members[name] = slots
                 else:
