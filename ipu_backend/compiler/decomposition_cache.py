@@ -224,11 +224,13 @@ def _resolved(name: tuple):
 
 
 def _fake(value, mode: FakeTensorMode):
+    """A node's ``val`` again: fake tensors made from meta tensors directly (a fake mode's own
+    dispatch for each would be most of the time reading takes)."""
     if isinstance(value, _TensorRecord):
-        with mode:
-            tensor = torch.empty_strided(value.shape, value.stride, dtype=value.dtype, device=value.device)
-            if value.storage_offset:
-                tensor = tensor.as_strided(value.shape, value.stride, value.storage_offset)
+        meta = torch.empty_strided(value.shape, value.stride, dtype=value.dtype, device="meta")
+        if value.storage_offset:
+            meta = meta.as_strided(value.shape, value.stride, value.storage_offset)
+        tensor = mode.fake_tensor_converter.from_meta_and_device(mode, meta, torch.device(value.device))
         return tensor.requires_grad_(value.requires_grad) if value.requires_grad else tensor
     if isinstance(value, (tuple, list)):
         return type(value)(_fake(v, mode) for v in value)
