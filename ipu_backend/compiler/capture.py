@@ -22,6 +22,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from ipu_backend.compiler import (
     attention_choice,
     containers,
+    cumulative_batch_norm,
     distribution_checks,
     float32_precision,
     fused_losses,
@@ -232,6 +233,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     precision = float32_precision.torch_setting()
     fused_losses.install(_CAPTURING.get)       # not torch.compile's tracing of a user's own code
     loss_checks.install(_CAPTURING.get)
+    cumulative_batch_norm.install(_CAPTURING.get)
     refused_calls.install(_CAPTURING.get)
     containers.register((args, kwargs))
     # The module's results may hold container subclasses too: registered as it returns them.
