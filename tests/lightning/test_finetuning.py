@@ -25,13 +25,20 @@ class WithBackbone(pl.LightningModule):
         return torch.optim.Adam(filter(lambda p: p.requires_grad, self.parameters()), lr=0.01)
 
 
-def test_backbone_finetuning_unfreezes_the_backbone_as_on_the_cpu():
-    ipu, cpu = twins(WithBackbone)
+def fine_tuned(factory):
+    """The module fitted for 3 epochs with its backbone unfrozen at the second, on the IPUs and on
+    the CPU (twins)."""
+    ipu, cpu = twins(factory)
     for module, accelerator in ((ipu, {"accelerator": "ipu", "strategy": IPUStrategy(device_iterations=2)}),
                                 (cpu, {"accelerator": "cpu"})):
         finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5)
         trainer = pl.Trainer(**accelerator, **QUIET, callbacks=[finetuning], max_epochs=3)
         trainer.fit(module, loader(dataset(32), 4))
+    return ipu, cpu
+
+
+def test_backbone_finetuning_unfreezes_the_backbone_as_on_the_cpu():
+    ipu, cpu = fine_tuned(WithBackbone)
     assert_same_weights(ipu, cpu)
     moved = [torch.equal(p, q) for p, q in zip(ipu.backbone.parameters(), twins(WithBackbone)[0].backbone.parameters())]
     assert not any(moved), "the backbone trained once unfrozen"
@@ -50,10 +57,5 @@ class ManualWithBackbone(WithBackbone):
 
 
 def test_backbone_finetuning_with_manual_optimization_as_on_the_cpu():
-    ipu, cpu = twins(ManualWithBackbone)
-    for module, accelerator in ((ipu, {"accelerator": "ipu", "strategy": IPUStrategy(device_iterations=2)}),
-                                (cpu, {"accelerator": "cpu"})):
-        finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5)
-        trainer = pl.Trainer(**accelerator, **QUIET, callbacks=[finetuning], max_epochs=3)
-        trainer.fit(module, loader(dataset(32), 4))
+    ipu, cpu = fine_tuned(ManualWithBackbone)
     assert_same_weights(ipu, cpu)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import ipu_backend as poptorch
+from tests.runtime.test_precision import Scale
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -269,15 +270,6 @@ def test_optimizer_state_loaded_on_the_host_reaches_the_device():
         for slot, value in slots.items():
             torch.testing.assert_close(ipu_optimizer.state_dict()["state"][index][slot], value,
                                        rtol=RTOL, atol=ATOL)
-
-
-class Scale(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(4))
-
-    def forward(self, x):
-        return poptorch.identity_loss(x * self.weight, "sum")
 
 
 def test_a_host_write_to_a_half_weight_becomes_its_master_copy():
