@@ -114,9 +114,13 @@ class ProgramKey(NamedTuple):
     inputs: tuple
 
     def changes(self, other: "ProgramKey") -> str:
-        named = {"settings": "the executor's settings", "param_groups": "the optimizer's param groups",
-                 "float32_precision": "torch's float32 precision settings", "inputs": "the inputs' shapes, dtypes or other values"}
-        return " and ".join(named[field] for field in self._fields if getattr(self, field) != getattr(other, field))
+        return " and ".join(_KEY_PARTS[field] for field in self._fields if getattr(self, field) != getattr(other, field))
+
+
+_KEY_PARTS = {"settings": "the executor's settings", "param_groups": "the optimizer's param groups",
+              "float32_precision": "torch's float32 precision settings",
+              "inputs": "the inputs' shapes, dtypes or other values"}
+"""How a recompilation warning names each part of a :class:`ProgramKey`."""
 
 
 def input_signature(args: tuple) -> tuple:
