@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ipu_backend.compiler import compile_module, to_jax
-from ipu_backend.errors import Error
 from tests.compiler.harness import TOLERANCES, OpCase, assert_close, case_params, check_case
 
 aten = torch.ops.aten
@@ -215,9 +214,6 @@ def test_instance_norm_module_with_running_stats():
     _assert_buffers_match(new_buffers, module)
 
 
-@pytest.mark.xfail(raises=Error, strict=True,
-                   reason="momentum=None reads float(num_batches_tracked) in Python, which "
-                          "torch.export cannot trace (a data-dependent value)")
 def test_batch_norm_cumulative_average_momentum():
     torch.manual_seed(0)
     module = nn.BatchNorm1d(3, momentum=None).train()
