@@ -466,7 +466,7 @@ def _detach_no_grad_regions(graph_module: torch.fx.GraphModule) -> None:
         results = region.graph.output_node().args[0]
         for user in list(node.users):
             result = results[user.args[1]] if user.target is operator.getitem else None
-            source = before.get(_changed_operand(region, result, operands))
+            source = before.get(_changed_operand(region, result, operands)) if before else None
             with graph.inserting_after(user):
                 kept = (graph.call_function(torch.ops.aten.detach.default, (user,)) if source is None else
                         graph.call_function(NO_GRAD_UPDATE, (source, user)))

@@ -69,10 +69,9 @@ from ipu_backend.runtime.compile_progress import CAPTURE, phase
 from ipu_backend.runtime.lifecycle import (
     CompiledStep,
     Executor,
-    carried_optimizer_state,
     first_micro_batch,
     input_signature,
-    optimizer_state,
+    optimizer_state_for,
 )
 from ipu_backend.runtime.multi_ipu_builder import check_ipu_count
 from ipu_backend.runtime.optimizers import notice_subclass
@@ -218,7 +217,6 @@ class ManualStepExecutor(Executor):
         self._optimizers = list(optimizers)
         for optimizer in self._optimizers:
             notice_subclass(optimizer)
-        self._groups = optimizer_groups(model, self._optimizers)
         self._intercept = intercept
         self._step_schedulers = step_schedulers
         self._scaler = None
@@ -253,16 +251,13 @@ class ManualStepExecutor(Executor):
         self._start()
         params, buffers = self._store.device_state()
         hypers, loss_scale = self._hyperparameters(compiled, schedule.device_iterations)
-        if self._opt_states is not None and compiled.rules != self._state_rules and any(
-                new.structure != old.structure for new, old in zip(compiled.rules, self._state_rules)):
-            master = self._schedule().master_weights
-            self._opt_states = tuple(
-                carried_optimizer_state(old, state, new, params,
-                                        [key for names in new.groups for key in names] if master else None)
-                for old, state, new in zip(self._state_rules, self._opt_states, compiled.rules))
-        if self._opt_states is None:
-            self._opt_states = tuple(self._optimizer_state(rule, opt, params, group)
-                                     for rule, opt, group in zip(compiled.rules, self._optimizers, self._groups))
+        master = self._schedule().master_weights
+        unmade = (None,) * len(compiled.rules)
+        self._opt_states = tuple(
+            optimizer_state_for(rule, state, old, optimizer, params,
+                                [name for names in rule.groups for name in names] if master else None)
+            for rule, state, old, optimizer in zip(compiled.rules, self._opt_states or unmade,
+                                                   self._state_rules or unmade, self._optimizers))
         self._state_rules = compiled.rules
         if self._scaler is None and schedule.dynamic_loss_scaling:
             self._scaler = initial_scaler(loss_scale if loss_scale != 1.0 else None)
@@ -340,14 +335,6 @@ class ManualStepExecutor(Executor):
                 self._step_schedulers(compiled.events)
         first_scale = float(compiled.rules[0].loss_scale(per_step[0][0]))
         return jax.tree.map(lambda *values: np.stack(values), *per_step), first_scale
-
-    def _optimizer_state(self, rule, optimizer, params: dict, group: tuple):
-        """An optimizer's state on the device; with master weights, with the float32 master
-        copies of its half-precision parameters."""
-        state = optimizer_state(rule, optimizer, params)
-        if not self._schedule().master_weights:
-            return state
-        return {"rule": state, "master": master_copy({n: params[n] for n in group})}
 
     def _compile(self, args: tuple) -> CompiledStep:
         groups = tuple(tuple(tuple((id(p), p.requires_grad) for p in group["params"]) for group in optimizer.param_groups)

@@ -38,12 +38,14 @@ def _host_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 _RUNNING_STATISTICS = ("running_mean", "running_var")
 
 
-def _running_statistics_updated(written: set[str], names: set[str]) -> set[str]:
+def _running_statistics_updated(written: set[str], tensors: list) -> set[str]:
     """The running statistics a batch norm's forward on the host updated: torch's batch-norm
     kernels write them without a version-counter bump, but the forward that does so counts
     ``num_batches_tracked`` up beside them, in place, which is seen."""
     prefixes = [name[:-len("num_batches_tracked")] for name in written if name.split(".")[-1] == "num_batches_tracked"]
-    return {prefix + statistic for prefix in prefixes for statistic in _RUNNING_STATISTICS} & names
+    if not prefixes:
+        return set()
+    return {prefix + statistic for prefix in prefixes for statistic in _RUNNING_STATISTICS} & {n for n, _ in tensors}
 
 
 class WeightStore:
@@ -192,7 +194,7 @@ class WeightStore:
         """The host tensors written since the device's last update (or never loaded)."""
         tensors = _host_tensors(self.module)
         written = {name for name, tensor in tensors if not self._agrees(name, tensor)}
-        return written | _running_statistics_updated(written, {name for name, _ in tensors})
+        return written | _running_statistics_updated(written, tensors)
 
     def sync_to_host(self) -> None:
         """Write the device's weights into the module's tensors, in place (``copyWeightsToHost``),
