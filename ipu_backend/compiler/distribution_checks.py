@@ -1,9 +1,8 @@
 """torch.distributions' argument checks while a model is captured.
 
 A distribution validates its parameters and samples by default (``validate_args``): Python
-``if`` statements on tensor values, which a compiled program, traced once, cannot take. As with
-torch's other run-time data checks (``lowerings/control_flow.py``'s ``_assert_async``), the capture
-leaves them out and says so: a distribution built without ``validate_args=True`` of its own skips
+``if`` statements on tensor values, which a compiled program, traced once, cannot take: the
+capture leaves them out and says so: a distribution built without ``validate_args=True`` of its own skips
 its checks inside the program, where invalid parameters or samples give unchecked results (NaN,
 say) instead of torch's ``ValueError``. A distribution given ``validate_args=True`` keeps its
 checks, so capturing it fails on them, naming the line.

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from ipu_backend.compiler import capture, registry, return_types  # noqa: F401  (return_types registers pytrees)
+from ipu_backend.compiler import (  # noqa: F401  (return_types registers pytrees)
+    capture, integer_faults, integer_ranges, registry, return_types)
 from ipu_backend.compiler.dtypes import jax_dtype
 from ipu_backend.compiler.lowering_options import lowering_options
 from ipu_backend.compiler.lowerings import views
@@ -114,6 +115,7 @@ def run_graph(graph_module: torch.fx.GraphModule, inputs, base_key, path=()):
 
 def _run_graph(graph_module: torch.fx.GraphModule, inputs, base_key, path):
     env, shared = {}, {}
+    checks = integer_ranges.checks(graph_module)
     placeholders = iter(inputs)
     for index, node in enumerate(graph_module.graph.nodes):
         if node.op == "placeholder":
@@ -126,7 +128,7 @@ def _run_graph(graph_module: torch.fx.GraphModule, inputs, base_key, path):
                 env[node] = args[0][args[1]]
             else:
                 ctx = LoweringContext(node, base_key, path + (index,), env.get, shared)
-                env[node] = _lower(ctx, args, kwargs)
+                env[node] = lower_node(ctx, args, kwargs, checks.get(node))
         elif node.op == "output":
             return torch.fx.node.map_arg(node.args[0], env.__getitem__)
         else:
@@ -134,7 +136,9 @@ def _run_graph(graph_module: torch.fx.GraphModule, inputs, base_key, path):
     raise Error("graph has no output node")
 
 
-def _lower(ctx: LoweringContext, args, kwargs):
+def lower_node(ctx: LoweringContext, args, kwargs, integer_check: str | None):
+    """The node's value, by its lowering; ``integer_check``: what ``integer_ranges.checks``
+    says the program must check of it while it runs (None: nothing)."""
     rule = registry.lookup(ctx.node.target)
     if rule is None:
         raise Error(f"{ctx.node.target} has no lowering (called from {ctx.location()})")
@@ -143,7 +147,10 @@ def _lower(ctx: LoweringContext, args, kwargs):
     except OverflowError as error:
         raise Error(f"{ctx.node.target} at {ctx.location()}: {error}. The device carries int64 as "
                     "int32: keep integer constants within [-2**31, 2**31 - 1]") from error
-    return _match_torch(result, ctx.out, ctx)
+    result = _match_torch(result, ctx.out, ctx)
+    if integer_check is not None:
+        integer_faults.check(integer_check, ctx.node, ctx.location(), args, kwargs, result)
+    return result
 
 
 def _match_torch(result, meta, ctx):

@@ -7,7 +7,7 @@ branch. While a model is captured, in the capturing thread, a stand-in in ``torc
 computes the documented loss, ``0.5 * (log(max(var, eps)) + (input - target)^2 / max(var, eps))``
 (plus ``0.5 * log(2 pi)`` with ``full``), with torch's checks of shapes, reduction and a float
 variance made on the host as torch makes them, and the variance's sign as torch's other run-time
-data checks are (``_assert_async``: compiling says it is not evaluated). The variance is clamped
+data checks are (``_assert_async``: the call raises after it, ``runtime_checks``). The variance is clamped
 in place under ``torch.no_grad()``, as torch clamps it, so its gradient passes the clamp.
 Anywhere else it is torch's own function.
 """

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as torch_pytree
 
-from ipu_backend.compiler import containers, decomposition_cache, python_reads
+from ipu_backend.compiler import containers, decomposition_cache, python_reads, runtime_checks
 from ipu_backend.compiler.capture import refuse_backward_hooks
 from ipu_backend.errors import Error
 from ipu_backend.runtime import (
@@ -501,6 +501,7 @@ class Executor:
         the model updates in place into ``args``), and mark the times of each part."""
         if self._settings.floating_point_exceptions and self._synthetic is None:
             float_exceptions.check_inputs(args)
+        runtime_checks.forget_recorded()
         started = perf_counters.now()
         self._profiler.inputs_on_device(call_args)
         state, arrays, logs = compiled.executable(*call_args)
@@ -515,6 +516,7 @@ class Executor:
         self.last_program = compiled.program
         host_idle.run_queued()
         jax.block_until_ready(arrays)
+        runtime_checks.raise_recorded()
         ready = perf_counters.now()
         to_host = output_to_host if self._synthetic is None else synthetic_data.unwritten_output
         self.last_logs = {name: to_host(value, compiled.log_dtypes[name]) for name, value in logs.items()}

@@ -17,7 +17,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch.export.graph_signature import InputKind
 
-from ipu_backend.compiler import interpreter
+from ipu_backend.compiler import integer_ranges, interpreter
 from ipu_backend.compiler.custom_ops import BLOCK_KEY
 from ipu_backend.compiler.dtypes import to_jax
 from ipu_backend.compiler.sources import user_location
@@ -338,6 +338,7 @@ def run_stage(part: Partition, stage: StagePlan, params: Mapping, buffers: Mappi
             return source
         return {"param": params, "buffer": buffers, "input": inputs}[kind][source]
 
+    checks = integer_ranges.checks(graph_module)
     with interpreter.as_captured(graph_module):
         for node in stage.nodes:
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
@@ -345,7 +346,7 @@ def run_stage(part: Partition, stage: StagePlan, params: Mapping, buffers: Mappi
                 env[node.name] = args[0][args[1]]
             else:
                 ctx = interpreter.LoweringContext(node, key, (part.node_index[node.name],))
-                env[node.name] = interpreter._lower(ctx, args, kwargs)
+                env[node.name] = interpreter.lower_node(ctx, args, kwargs, checks.get(node))
 
     output = next(n for n in graph_module.graph.nodes if n.op == "output")
     new_values = dict(zip(part.mutated_buffers, output.args[0][: len(part.mutated_buffers)]))

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import ipu_backend
-from ipu_backend.compiler import compile_module, to_jax
+from ipu_backend.compiler import compile_module, runtime_checks, to_jax
 from ipu_backend.compiler.loops import FOR_LOOP
 from tests.compiler.harness import FnModule, OpCase, case_params, check_case
 
@@ -42,11 +42,17 @@ def one_hot_sum(y):
     return F.one_hot(y, 5).sum(0)
 
 
-def test_data_checks_warn_when_compiled_and_raise_op_by_op():
+def test_data_checks_raise_after_a_compiled_call_and_op_by_op():
     program = compile_module(FnModule(one_hot_sum), (torch.tensor([1, 2]),))
     key = jax.random.key(0)
-    with pytest.warns(UserWarning, match="not evaluated in the compiled program.*smaller than "
-                                         "num_classes"):
-        jax.jit(lambda y: program.fn({}, {}, (y,), key))(to_jax(torch.tensor([1, 7])))
+    compiled = jax.jit(lambda y: program.fn({}, {}, (y,), key))
+    runtime_checks.forget_recorded()
+    compiled(to_jax(torch.tensor([1, 4])))
+    runtime_checks.raise_recorded()                          # in range: nothing to raise
+    compiled(to_jax(torch.tensor([1, 7])))
+    with pytest.raises(ipu_backend.Error, match=r"Class values must be smaller than num_classes\. \(at .*:[0-9]+: "):
+        runtime_checks.raise_recorded()                      # torch's message, then the line
     with pytest.raises(ipu_backend.Error, match="Class values must be smaller than num_classes"):
         program.fn({}, {}, (to_jax(torch.tensor([1, 7])),), key)
+    with pytest.raises(ipu_backend.Error, match="Class values must be smaller than num_classes"):
+        ipu_backend.inferenceModel(FnModule(one_hot_sum))(torch.tensor([1, 7]))

@@ -258,7 +258,8 @@ def test_elementwise(case, dtype):
 @pytest.mark.parametrize("dtype", INTS)
 def test_integer_division_by_zero_gives_zero(dtype):
     """torch raises ZeroDivisionError for integer ``//``, ``%``, fmod and trunc division by zero;
-    a compiled program cannot raise, so those quotients and remainders are 0 (as in NumPy)."""
+    the lowerings give 0 (as in NumPy), and an executor's call then raises
+    (tests/runtime/test_integer_faults.py)."""
     def divisions(a, b):
         return a // b, torch.div(a, b, rounding_mode="trunc"), a % b, torch.fmod(a, b)
 

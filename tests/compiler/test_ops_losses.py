@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ipu_backend.compiler import compile_module, fused_losses, loss_checks, to_jax
+import ipu_backend
+from ipu_backend.compiler import compile_module, fused_losses, loss_checks, runtime_checks, to_jax
 from ipu_backend.compiler.custom_ops import NO_GRAD_UPDATE
 from ipu_backend.compiler.fused_losses import CTC_LOSS
 from tests.compiler.harness import OpCase, case_params, check_case
@@ -239,7 +240,7 @@ class GaussianNLL(torch.nn.Module):
         return F.gaussian_nll_loss(x, y, var if self.var is None else self.var)
 
 
-def test_gaussian_nll_loss_refuses_what_torch_refuses_and_says_what_it_cannot_check():
+def test_gaussian_nll_loss_refuses_what_torch_refuses_at_capture_and_after_a_call():
     x, y, var = gaussian_inputs(4, 5)(torch.float32)
     for bad_var, message in ((-0.5, "var has negative entry"), (var[:, :2], "var is of incorrect size")):
         with pytest.raises(ValueError, match=message):
@@ -247,8 +248,10 @@ def test_gaussian_nll_loss_refuses_what_torch_refuses_and_says_what_it_cannot_ch
         with pytest.raises(ValueError, match=message):
             compile_module(GaussianNLL(bad_var), (x, y, var))
     program = compile_module(GaussianNLL(None), (x, y, var))
-    with pytest.warns(UserWarning, match="not evaluated in the compiled program: 'var has negative entry"):
-        jax.jit(program.fn).lower({}, {}, tuple(to_jax(t) for t in (x, y, -var)), jax.random.key(0))
+    runtime_checks.forget_recorded()
+    jax.jit(program.fn)({}, {}, tuple(to_jax(t) for t in (x, y, -var)), jax.random.key(0))
+    with pytest.raises(ipu_backend.Error, match="var has negative entry"):
+        runtime_checks.raise_recorded()
     assert F.gaussian_nll_loss is not loss_checks._TORCH_GAUSSIAN_NLL_LOSS, "the capture installed its stand-in"
     with pytest.raises(ValueError, match="var has negative entry"):
         F.gaussian_nll_loss(x, y, -var)                             # outside a capture: torch's own

@@ -1,8 +1,6 @@
 """Lowerings: control flow. ``torch.cond`` becomes ``lax.cond`` over the traced branch graphs,
 ``poptorch.for_loop`` ``lax.fori_loop`` over its outlined body; torch's run-time data checks
-(``_assert_async``) are checked where the data is known."""
-
-import warnings
+(``_assert_async``) are made as the program runs."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +8,7 @@ import torch
 
 from ipu_backend.compiler.loops import FOR_LOOP
 from ipu_backend.compiler.registry import lowering
+from ipu_backend.compiler.runtime_checks import report
 from ipu_backend.errors import Error
 
 
@@ -26,12 +25,10 @@ def cond(ctx, pred, true_graph, false_graph, operands):
 @lowering(torch.ops.aten._assert_async.msg)
 def assert_async(ctx, condition, message):
     """A check of the data that torch makes at run time (``F.one_hot``'s class range). Evaluated
-    op by op, it raises as torch does; a compiled program, like an IPU's, cannot stop mid-run, so
-    there it is not evaluated, and compiling says so once per check."""
+    op by op, it raises as torch does; in a compiled program the call raises once it is over
+    (``runtime_checks``)."""
     if isinstance(condition, jax.core.Tracer):
-        warnings.warn(f"run-time check not evaluated in the compiled program: {message!r} "
-                      f"({ctx.location()}); inputs that fail it give unchecked results, not an "
-                      "error", stacklevel=2)
+        report(~jnp.asarray(condition, bool), f"{message} (at {ctx.location()})")
     elif not bool(condition):
         raise Error(f"{message} (at {ctx.location()})")
 

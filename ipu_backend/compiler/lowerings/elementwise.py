@@ -69,13 +69,15 @@ def _nonzero_divisor(y):
 
 
 def _trunc_divide_int(x, y):
-    """C division. Integer division by zero, which raises in torch, gives 0 (as in NumPy)."""
+    """C division. Division by zero gives 0 (as in NumPy); the call then raises, as torch does
+    (``integer_faults``)."""
     return jnp.where(y == 0, 0, lax.div(x, _nonzero_divisor(y)))
 
 
 def _floor_divide_int(x, y):
     """Python's ``//``: the truncated quotient less one when the remainder is nonzero and its sign
-    differs from the divisor's. Division by zero, which raises in torch, gives 0 (as in NumPy)."""
+    differs from the divisor's. Division by zero gives 0 (as in NumPy); the call then raises, as
+    torch does (``integer_faults``)."""
     safe_y = _nonzero_divisor(y)
     quotient, remainder = lax.div(x, safe_y), lax.rem(x, safe_y)
     quotient = jnp.where((remainder != 0) & ((remainder < 0) != (safe_y < 0)), quotient - 1, quotient)
@@ -108,8 +110,9 @@ def div_mode(ctx, x, y, *, rounding_mode=None):
 
 @lowering(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor)
 def remainder(ctx, x, y):
-    """Python's ``%``: the result takes the divisor's sign. Integer remainder by zero, which raises
-    in torch, gives 0 (as in NumPy); float remainder by zero is NaN."""
+    """Python's ``%``: the result takes the divisor's sign. Integer remainder by zero gives 0 (as in
+    NumPy) and the call then raises, as torch does (``integer_faults``); float remainder by zero is
+    NaN."""
     x, y = operands(ctx, x, y)
     safe_y = y if _is_float(y) else _nonzero_divisor(y)
     truncated = lax.rem(x, safe_y)
@@ -119,8 +122,8 @@ def remainder(ctx, x, y):
 
 @lowering(aten.fmod.Tensor, aten.fmod.Scalar)
 def fmod(ctx, x, y):
-    """C's fmod: the result takes the dividend's sign. Integer fmod by zero, which raises in torch,
-    gives 0 (as in NumPy); float fmod by zero is NaN."""
+    """C's fmod: the result takes the dividend's sign. Integer fmod by zero gives 0 (as in NumPy)
+    and the call then raises, as torch does (``integer_faults``); float fmod by zero is NaN."""
     x, y = operands(ctx, x, y)
     if _is_float(y):
         return lax.rem(x, y)

@@ -1,0 +1,85 @@
+"""Run-time checks for the integer operations ``integer_ranges`` picks: an int64 result beyond
+int32 (which wraps on the device), a float converted to int64 beyond int32, an integer division
+by zero (which torch refuses), each made while the program runs (``runtime_checks``).
+
+An int64 result is checked against the same operation in float32: where the int32 result is
+right it lies within a few hundred of the float one, where it wrapped it lies at least 2**31
+away (for any result below 2**55; above, the float result itself is beyond int32).
+"""
+
+import jax.numpy as jnp
+import torch
+
+from ipu_backend.compiler.dtypes import INT32_MAX, INT32_MIN
+from ipu_backend.compiler.integer_ranges import CONVERSION, DIVISION, OVERFLOW
+from ipu_backend.compiler.runtime_checks import report
+from ipu_backend.errors import Error
+
+aten = torch.ops.aten
+
+
+def _float(value):
+    return float(value) if isinstance(value, (bool, int, float)) else jnp.asarray(value, jnp.float32)
+
+
+def _alpha(kwargs):
+    return float(kwargs.get("alpha", 1))
+
+
+def _axes(value, dims):
+    return None if dims is None or len(dims) == 0 else tuple(d % max(jnp.ndim(value), 1) for d in dims)
+
+
+_IN_FLOAT32 = {
+    aten.add.Tensor: lambda a, b, **k: _float(a) + _alpha(k) * _float(b),
+    aten.add.Scalar: lambda a, b, **k: _float(a) + _alpha(k) * _float(b),
+    aten.sub.Tensor: lambda a, b, **k: _float(a) - _alpha(k) * _float(b),
+    aten.sub.Scalar: lambda a, b, **k: _float(a) - _alpha(k) * _float(b),
+    aten.rsub.Tensor: lambda a, b, **k: _float(b) - _alpha(k) * _float(a),
+    aten.rsub.Scalar: lambda a, b, **k: _float(b) - _alpha(k) * _float(a),
+    aten.mul.Tensor: lambda a, b: _float(a) * _float(b),
+    aten.mul.Scalar: lambda a, b: _float(a) * _float(b),
+    aten.neg.default: lambda a: -_float(a),
+    aten.abs.default: lambda a: jnp.abs(_float(a)),
+    aten.sum.default: lambda a, dtype=None: jnp.sum(_float(a)),
+    aten.sum.dim_IntList: lambda a, dims, keepdim=False, dtype=None: jnp.sum(
+        _float(a), axis=_axes(a, dims), keepdims=keepdim),
+    aten.cumsum.default: lambda a, dim, dtype=None: jnp.cumsum(_float(a), axis=dim % max(jnp.ndim(a), 1)),
+    aten.prod.default: lambda a, dtype=None: jnp.prod(_float(a)),
+    aten.prod.dim_int: lambda a, dim, keepdim=False, dtype=None: jnp.prod(
+        _float(a), axis=dim % max(jnp.ndim(a), 1), keepdims=keepdim),
+    aten.pow.Tensor_Scalar: lambda a, b: _float(a) ** _float(b),
+    aten.pow.Tensor_Tensor: lambda a, b: _float(a) ** _float(b),
+    aten.pow.Scalar: lambda a, b: _float(a) ** _float(b),
+}
+"""Each operation of ``integer_ranges.ARITHMETIC``, computed in float32."""
+
+
+def check(kind: str, node: torch.fx.Node, location: str, args, kwargs, result) -> None:
+    """Add to the program being traced the check ``kind`` of ``node``'s ``result``."""
+    where = f"{node.target} at {location}"
+    if kind == OVERFLOW:
+        exact = _IN_FLOAT32[node.target](*args, **kwargs)
+        report(jnp.any(~(jnp.abs(jnp.asarray(result, jnp.float32) - exact) < 2.0 ** 31)),
+               f"int64 overflow: {where} computed a value outside {_RANGE}: it wrapped, where torch's "
+               "would not. Keep integer arithmetic within that range (reduce values, e.g. with a modulo, "
+               "before they grow), or compute in floating point")
+    elif kind == CONVERSION:
+        truncated = jnp.trunc(jnp.asarray(args[0], jnp.float32))
+        report(jnp.any(~((truncated >= INT32_MIN) & (truncated < 2.0 ** 31))),
+               f"int64 conversion: {where} converted a float outside {_RANGE} (or a NaN) to int64: the "
+               "value was lost, where torch keeps it. Clamp it first (torch.clamp) or keep it a float")
+    elif kind == DIVISION:
+        dividend, divisor = jnp.asarray(args[0]), jnp.asarray(args[1])
+        report(jnp.any(divisor == 0),
+               f"integer division by zero: {where} divided by 0, which torch refuses (RuntimeError: "
+               "ZeroDivisionError) and the device answers with 0. Keep integer divisors nonzero, e.g. "
+               "torch.where(d == 0, 1, d)")
+        if node.meta["val"].dtype == torch.int64:
+            report(jnp.any((dividend == INT32_MIN) & (divisor == -1)),
+                   f"int64 overflow: {where} divided {INT32_MIN} by -1, a quotient outside {_RANGE}")
+    else:
+        raise Error(f"unknown integer check {kind!r}")
+
+
+_RANGE = f"[{INT32_MIN}, {INT32_MAX}], the int32 range in which the device carries int64"
