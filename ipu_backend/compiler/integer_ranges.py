@@ -130,7 +130,8 @@ def _rule(node, intervals):
     a conversion of floats."""
     target, args, kwargs = node.target, node.args, node.kwargs
     first = args[0] if args else None
-    if target is aten._to_copy.default and isinstance(first, torch.fx.Node) and first.meta["val"].dtype.is_floating_point:
+    source = first.meta.get("val") if isinstance(first, torch.fx.Node) else None
+    if target is aten._to_copy.default and isinstance(source, torch.Tensor) and source.dtype.is_floating_point:
         return _FROM_FLOAT
     if target in _SAME_AS_FIRST:
         return _interval(first, intervals)
