@@ -1,6 +1,7 @@
 """Run-time checks for the integer operations ``integer_ranges`` picks: an int64 result beyond
 int32 (which wraps on the device), a float converted to int64 beyond int32, an integer division
-by zero (which torch refuses), each made while the program runs (``runtime_checks``).
+by zero and an index outside its dimension (which torch refuses), each made while the program
+runs (``runtime_checks``).
 
 An int64 result is checked against the same operation in float32: where the int32 result is
 right it lies within a few hundred of the float one, where it wrapped it lies at least 2**31
@@ -11,7 +12,8 @@ import jax.numpy as jnp
 import torch
 
 from ipu_backend.compiler.dtypes import INT32_MAX, INT32_MIN
-from ipu_backend.compiler.integer_ranges import CONVERSION, DIVISION, OVERFLOW
+from ipu_backend.compiler import index_bounds
+from ipu_backend.compiler.integer_ranges import CONVERSION, DIVISION, INDEX, OVERFLOW
 from ipu_backend.compiler.runtime_checks import report
 from ipu_backend.errors import Error
 
@@ -55,6 +57,18 @@ _IN_FLOAT32 = {
 """Each operation of ``integer_ranges.ARITHMETIC``, computed in float32."""
 
 
+def _argument(index, node: torch.fx.Node, args):
+    """The value of ``node``'s argument ``index`` (a node of ``node.args``) among ``args``."""
+    for arg, value in zip(node.args, args):
+        if arg is index:
+            return value
+        if isinstance(arg, (list, tuple)):
+            for inner, inner_value in zip(arg, value):
+                if inner is index:
+                    return inner_value
+    raise Error(f"{node.target}: index argument {index} not found")
+
+
 def check(kind: str, node: torch.fx.Node, location: str, args, kwargs, result) -> None:
     """Add to the program being traced the check ``kind`` of ``node``'s ``result``."""
     where = f"{node.target} at {location}"
@@ -78,6 +92,16 @@ def check(kind: str, node: torch.fx.Node, location: str, args, kwargs, result) -
         if node.meta["val"].dtype == torch.int64:
             report(jnp.any((dividend == INT32_MIN) & (divisor == -1)),
                    f"int64 overflow: {where} divided {INT32_MIN} by -1, a quotient outside {_RANGE}")
+    elif kind == INDEX:
+        checked = node.meta.get(index_bounds.HOST_CHECKED, ())
+        for number, use in enumerate(index_bounds.index_uses(node)):
+            if number in checked:
+                continue
+            index = jnp.asarray(_argument(use.index, node, args))
+            report(jnp.any((index < use.low) | (index >= use.size)),
+                   f"index out of range: {where} took an index computed on the device outside "
+                   f"[{use.low}, {use.size - 1}], for dimension {use.dim} of size {use.size}, which torch "
+                   "refuses (IndexError); the device read or wrote another element instead")
     else:
         raise Error(f"unknown integer check {kind!r}")
 

@@ -15,13 +15,15 @@ import math
 
 import torch
 
+from ipu_backend.compiler import index_bounds
 from ipu_backend.compiler.dtypes import INT32_MAX, INT32_MIN
 
 aten = torch.ops.aten
 
-OVERFLOW, CONVERSION, DIVISION = "overflow", "conversion", "division"
+OVERFLOW, CONVERSION, DIVISION, INDEX = "overflow", "conversion", "division", "index"
 """What a check looks for: an int64 result outside int32, a float converted to int64 outside
-int32, an integer divisor of zero (and, for int64, the one quotient outside int32)."""
+int32, an integer divisor of zero (and, for int64, the one quotient outside int32), an index
+outside the dimension it selects from (``index_bounds``)."""
 
 INT32 = (INT32_MIN, INT32_MAX)
 _UNBOUNDED = (-math.inf, math.inf)
@@ -59,6 +61,8 @@ def checks(graph_module: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
     looks for (:data:`OVERFLOW`, :data:`CONVERSION` or :data:`DIVISION`)."""
     intervals, found = {}, {}
     for node in graph_module.graph.nodes:
+        if _index_may_leave(node, intervals):
+            found[node] = INDEX
         value = node.meta.get("val")
         if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point or value.dtype.is_complex:
             continue
@@ -107,6 +111,16 @@ def _span(*values) -> tuple:
     return (min(finite), max(finite)) if finite else INT32
 
 
+def _index_may_leave(node, intervals) -> bool:
+    """Whether an index argument of ``node`` that the host does not check may leave its range."""
+    checked = node.meta.get(index_bounds.HOST_CHECKED, ())
+    for number, use in enumerate(index_bounds.index_uses(node)):
+        low, high = _interval(use.index, intervals)
+        if number not in checked and (low < use.low or high >= use.size):
+            return True
+    return False
+
+
 def _quotient_or_remainder(target, dividend: tuple, divisor: tuple) -> tuple:
     """The interval of an integer division's result, its divisor's interval without zero."""
     largest = max(abs(divisor[0]), abs(divisor[1]))
@@ -144,6 +158,10 @@ def _rule(node, intervals):
         return (1, 1)
     if target in (aten.arange.default, aten.arange.start, aten.arange.start_step):
         return _arange(node)
+    if target in (aten.argmax.default, aten.argmin.default) and isinstance(source, torch.Tensor):
+        dim = args[1] if len(args) > 1 else None
+        count = source.numel() if dim is None or source.dim() == 0 else source.shape[dim]
+        return (0, max(count - 1, 0))
     if target is aten.where.self:
         return _span(*_interval(args[1], intervals), *_interval(args[2], intervals))
     if target in (aten.cat.default, aten.stack.default):

@@ -14,6 +14,7 @@ from ipu_backend.compiler import (
     capture,
     decomposition_cache,
     identity,
+    index_bounds,
     interpreter,
     layer_calls,
     layer_loops,
@@ -41,46 +42,42 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class IndexInput:
-    """A user input that is, through views only, the indices of an embedding of ``rows`` rows.
-    torch checks such indices as it runs; a compiled program cannot, so the host checks this
-    input before each call."""
+    """A user input that is, through views only, the indices an operation reads or writes at
+    (``index_bounds``): torch checks them as it runs; the host checks this input before each
+    call."""
 
     position: int
     """The input's position among the call's flattened inputs (tensors and constants)."""
-    rows: int
+    size: int
+    """The size of the dimension indexed: values must lie in ``[low, size)``."""
     location: str
-
-
-_INDEX_VIEWS = frozenset({
-    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
-    torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.default, torch.ops.aten.squeeze.dim,
-    torch.ops.aten.squeeze.dims, torch.ops.aten.clone.default, torch.ops.aten.permute.default,
-    torch.ops.aten.t.default, torch.ops.aten.slice.Tensor, torch.ops.aten.select.int,
-    torch.ops.aten.expand.default, torch.ops.aten.alias.default, torch.ops.aten._to_copy.default,
-})
-"""Ops that pass index values through unchanged (``_to_copy`` only between integer dtypes)."""
-
-
-_INDEX_OPS = (torch.ops.aten.embedding.default, torch.ops.aten._embedding_bag.default,
-              torch.ops.aten._embedding_bag_forward_only.default)
-"""Ops that look up rows of their first argument with the indices of their second."""
+    low: int = 0
+    dim: int = 0
+    ignored: int | None = None
+    """A value a loss's target may hold to be ignored (``cross_entropy``'s ``ignore_index``)."""
+    kind: str = "index"
+    """``"rows"`` (an embedding's), ``"target"`` (a loss's class) or ``"index"``."""
 
 
 def _index_inputs(graph_module: torch.fx.GraphModule, user_inputs: dict) -> tuple[IndexInput, ...]:
-    """The embeddings whose indices come straight from a user input (``user_inputs``: placeholder
-    node -> its position among the inputs)."""
+    """The index arguments whose values come straight from a user input (``user_inputs``:
+    placeholder node -> its position among the inputs); each such argument's number is kept in
+    its node's ``meta[index_bounds.HOST_CHECKED]``."""
     found = []
     for node in graph_module.graph.nodes:
-        if node.target not in _INDEX_OPS:
-            continue
-        source = node.args[1]
-        while (isinstance(source, torch.fx.Node) and source.target in _INDEX_VIEWS
-               and not source.meta["val"].is_floating_point()):
-            source = source.args[0]
-        if source in user_inputs:
-            rows = node.args[0].meta["val"].shape[0]
-            found.append(IndexInput(user_inputs[source], int(rows),
-                                    user_location(node.meta.get("stack_trace")) or "unknown source line"))
+        checked = set()
+        for number, use in enumerate(index_bounds.index_uses(node)):
+            source, ignored = index_bounds.input_source(use.index)
+            if source not in user_inputs:
+                continue
+            checked.add(number)
+            kind = ("rows" if node.target in index_bounds.ROWS else "target" if ignored is not None
+                    else "index")
+            found.append(IndexInput(user_inputs[source], use.size,
+                                    user_location(node.meta.get("stack_trace")) or "unknown source line",
+                                    use.low, use.dim, ignored, kind))
+        if checked:
+            node.meta[index_bounds.HOST_CHECKED] = frozenset(checked)
     return tuple(found)
 
 
@@ -272,7 +269,7 @@ def _decompose(exported):
 
 def _template_program(layer: torch.nn.Module, exported, prefix: str) -> "Program":
     _check_lowerable(exported.graph_module)
-    return _build(layer, exported, prefix, None)
+    return _build(layer, exported, prefix, None, host_inputs=False)
 
 
 def _check_lowerable(graph_module: torch.fx.GraphModule) -> None:
@@ -333,10 +330,12 @@ def canonical_names(module: torch.nn.Module) -> dict[str, str]:
     return names
 
 
-def _build(module, exported, prefix: str, logs: tuple | None, keywords: tuple[str, ...] = ()) -> Program:
+def _build(module, exported, prefix: str, logs: tuple | None, keywords: tuple[str, ...] = (),
+           host_inputs: bool = True) -> Program:
     """The Program of ``exported`` (a capture of ``module``, its weights named with ``prefix``);
     ``logs``: the ``self.log`` calls of a step method, whose outputs are ``(result, logged
-    values)``, or None for a forward."""
+    values)``, or None for a forward. ``host_inputs``: its inputs are the call's, which the host
+    can check (not a repeated layer's template, whose inputs the program computes)."""
     signature = exported.graph_signature
     canonical = canonical_names(module)
     strip = lambda target: canonical.get(target[len(prefix):], target[len(prefix):])  # noqa: E731
@@ -416,7 +415,7 @@ def _build(module, exported, prefix: str, logs: tuple | None, keywords: tuple[st
                  for node in graph_module.graph.nodes if node.op == "call_function"}
     params = _ordered_specs(module, param_names, "Parameter")
     buffers = _ordered_specs(module, buffer_names, "Buffer")
-    index_inputs = _index_inputs(graph_module, user_inputs)
+    index_inputs = _index_inputs(graph_module, user_inputs) if host_inputs else ()
     aliases = {alias: name for alias, name in canonical.items() if alias != name}
     return Program(
         logged_fn=logged_fn,

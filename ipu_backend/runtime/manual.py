@@ -77,7 +77,7 @@ from ipu_backend.runtime.multi_ipu_builder import check_ipu_count
 from ipu_backend.runtime.optimizers import notice_subclass
 from ipu_backend.runtime.module_modes import capture_modes
 from ipu_backend.runtime.algorithms import optimizer_rule
-from ipu_backend.runtime.outputs import inputs_to_device
+from ipu_backend.runtime.outputs import check_index_inputs, inputs_to_device
 from ipu_backend.runtime.random_state import restore_random_state
 from ipu_backend.runtime.recording import BACKWARD, MANUAL, UPDATE
 from ipu_backend.runtime.schedule import Schedule
@@ -245,6 +245,8 @@ class ManualStepExecutor(Executor):
     def _call(self, args: tuple):
         self._profiler.started()
         compiled = self._compile(tuple(args))
+        if compiled.program.index_inputs:
+            check_index_inputs(args, compiled.program.index_inputs)
         schedule = self._schedule()
         mesh = self._mesh()
         inputs = inputs_to_device(args, schedule, mesh)

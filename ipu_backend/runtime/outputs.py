@@ -29,17 +29,33 @@ def host_inputs(args: tuple, schedule: Schedule) -> list:
 
 
 def check_index_inputs(args: tuple, index_inputs: tuple) -> None:
-    """The checks torch makes on embedding indices as it runs, made on the host before a call
-    for the inputs that are such indices (``Program.index_inputs``)."""
+    """The checks torch makes on indices as it runs (an embedding's rows, a loss's class
+    targets, ``x[i]``, ``gather``), made on the host before a call for the inputs that are such
+    indices (``Program.index_inputs``)."""
     leaves = torch.utils._pytree.tree_leaves(tuple(args))
     for index_input in index_inputs:
         values = leaves[index_input.position]
-        if values.numel() and (int(values.min()) < 0 or int(values.max()) >= index_input.rows):
-            bad = int(values.min()) if int(values.min()) < 0 else int(values.max())
+        if index_input.ignored is not None:
+            values = values[values != index_input.ignored]
+        if not values.numel():
+            continue
+        low, high = int(values.min()), int(values.max())
+        if low >= index_input.low and high < index_input.size:
+            continue
+        bad = low if low < index_input.low else high
+        where = f"the call's input {index_input.position} (in argument order) holds"
+        if index_input.kind == "rows":
             raise IndexOutOfRange(
-                f"index out of range in self: the call's input {index_input.position} (in argument "
-                f"order) holds the index {bad}, but the embedding at {index_input.location} has "
-                f"{index_input.rows} rows (indices 0 to {index_input.rows - 1})")
+                f"index out of range in self: {where} the index {bad}, but the embedding at "
+                f"{index_input.location} has {index_input.size} rows (indices 0 to {index_input.size - 1})")
+        if index_input.kind == "target":
+            raise IndexOutOfRange(
+                f"Target {bad} is out of bounds: {where} it, for the {index_input.size} classes of the "
+                f"loss at {index_input.location} (targets 0 to {index_input.size - 1}, or "
+                f"{index_input.ignored}: ignored)")
+        raise IndexOutOfRange(
+            f"index {bad} is out of bounds for dimension {index_input.dim} with size {index_input.size}: "
+            f"{where} it, as an index at {index_input.location}")
 
 
 def inputs_to_device(args: tuple, schedule: Schedule, mesh) -> list:

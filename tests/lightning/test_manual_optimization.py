@@ -142,3 +142,28 @@ class SchedulesFirst(TinyGAN):
 def test_a_scheduler_stepped_before_the_optimizer_is_refused():
     with pytest.raises(ipu_backend.Error, match=r"lr_scheduler.step\(\) after the optimizer steps"):
         pl.Trainer(accelerator="ipu", max_steps=1, **QUIET).fit(SchedulesFirst(), loader(gan_data(), 4))
+
+
+class ManualClassifier(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.linear = torch.nn.Linear(3, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, target = batch
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(F.cross_entropy(self.linear(x), target))
+        optimizer.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_manual_step_refuses_targets_outside_the_classes_as_on_the_cpu():
+    data = TensorDataset(torch.randn(8, 3), torch.tensor([0, 1, 2, 3, 4, 0, 1, 2]))
+    with pytest.raises(IndexError, match="Target 4 is out of bounds"):
+        pl.Trainer(max_epochs=1, **QUIET).fit(ManualClassifier(), loader(data, 8))
+    with pytest.raises(IndexError, match="Target 4 is out of bounds"):
+        pl.Trainer(max_epochs=1, accelerator="ipu", devices=1, **QUIET).fit(ManualClassifier(), loader(data, 8))

@@ -1,6 +1,6 @@
 """int64 on a device that carries it as int32: values int32 holds are exact, values it cannot hold
-are refused where they cross to the device (never wrapped), and embedding indices that are inputs
-of the call are checked as torch checks them."""
+are refused where they cross to the device (never wrapped), and embedding indices are checked as
+torch checks them: before the call where they are inputs, after it where computed."""
 
 import pytest
 import torch
@@ -74,14 +74,15 @@ def test_embedding_indices_in_range_match_torch():
     torch.testing.assert_close(poptorch.inferenceModel(model)(ids), model(ids), rtol=0, atol=0)
 
 
-def test_computed_embedding_index_out_of_range_is_nan_not_another_row():
-    """Indices computed on the device cannot be checked before the call: a row outside the
-    table reads NaN, never another row (a negative index does not wrap around)."""
+def test_computed_embedding_index_out_of_range_raises_after_the_call():
+    """Indices computed on the device cannot be checked before the call: the call raises once
+    it is over, as torch raises (never another row read silently)."""
     class Shifted(Lookup):
         def forward(self, ids):
             return self.embedding(ids - 5)
 
     model = Shifted()
-    out = poptorch.inferenceModel(model)(torch.tensor([2, 7]))
-    assert torch.isnan(out[0]).all()
-    torch.testing.assert_close(out[1], model.embedding.weight[2].detach(), rtol=0, atol=0)
+    executor = poptorch.inferenceModel(model)
+    with pytest.raises(poptorch.Error, match=r"index out of range: aten.embedding.default .*ids - 5.* size 10"):
+        executor(torch.tensor([2, 7]))
+    torch.testing.assert_close(executor(torch.tensor([5, 7])), model(torch.tensor([5, 7])), rtol=0, atol=0)

@@ -22,8 +22,8 @@ def embedding_bag(ctx, weight, indices, offsets, scale_grad_by_freq=False, mode=
     with ``include_last_offset`` to the offsets' extra last entry, which torch documents as the
     indices' count). As torch: entries equal to ``padding_idx``
     are left out (of a mean's count too), ``per_sample_weights`` scale the rows of a sum, an empty
-    bag gives zeros. ``scale_grad_by_freq`` is refused (see below). An index outside ``[0, rows)`` gives a row of NaN (torch raises; the host checks
-    the indices that are inputs of the call before it). The op's other results (torch's
+    bag gives zeros. ``scale_grad_by_freq`` is refused (see below). An index outside ``[0, rows)`` gives a row of NaN, and the
+    call raises as torch does (``index_bounds``). The op's other results (torch's
     bookkeeping for its backward) are zeros: the gradient comes from this function."""
     bags = ctx.out[0].shape[0]
     entries = jnp.arange(indices.shape[0])

@@ -271,7 +271,7 @@ def masked_scatter(ctx, x, mask, source):
 
 def looked_up_rows(weight, indices):
     """The rows of ``weight`` at ``indices``; an index outside ``[0, rows)``, negative ones
-    included, reads a row of NaN (torch raises)."""
+    included, reads a row of NaN (and the call raises as torch does: ``index_bounds``)."""
     return jnp.take(weight, jnp.where(indices < 0, weight.shape[0], indices), axis=0, mode="fill")
 
 
@@ -279,8 +279,8 @@ def looked_up_rows(weight, indices):
 def embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     """Rows of ``weight``. As torch, rows looked up at ``padding_idx`` pass no gradient, and
     with ``scale_grad_by_freq`` each row's gradient is divided by its count in ``indices``. An
-    index outside ``[0, rows)``, negative ones included, gives a row of NaN (torch raises; the
-    host checks the indices that are inputs of the call before it, see ``Program.index_inputs``)."""
+    index outside ``[0, rows)``, negative ones included, gives a row of NaN, and the call raises
+    as torch does (``index_bounds``)."""
     rows = looked_up_rows(weight, indices)
     if scale_grad_by_freq:
         counts = jnp.zeros(weight.shape[0], weight.dtype).at[indices].add(1)
