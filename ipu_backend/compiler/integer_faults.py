@@ -50,6 +50,9 @@ _IN_FLOAT32 = {
     aten.prod.default: lambda a, dtype=None: jnp.prod(_float(a)),
     aten.prod.dim_int: lambda a, dim, keepdim=False, dtype=None: jnp.prod(
         _float(a), axis=dim % max(jnp.ndim(a), 1), keepdims=keepdim),
+    aten.cumprod.default: lambda a, dim, dtype=None: jnp.cumprod(_float(a), axis=dim % max(jnp.ndim(a), 1)),
+    aten.__lshift__.Scalar: lambda a, b: _float(a) * 2.0 ** _float(b),
+    aten.__lshift__.Tensor: lambda a, b: _float(a) * 2.0 ** _float(b),
     aten.pow.Tensor_Scalar: lambda a, b: _float(a) ** _float(b),
     aten.pow.Tensor_Tensor: lambda a, b: _float(a) ** _float(b),
     aten.pow.Scalar: lambda a, b: _float(a) ** _float(b),

@@ -45,7 +45,8 @@ ARITHMETIC = frozenset({
     aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Tensor,
     aten.rsub.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.neg.default, aten.abs.default,
     aten.sum.default, aten.sum.dim_IntList, aten.cumsum.default, aten.prod.default,
-    aten.prod.dim_int, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar,
+    aten.prod.dim_int, aten.cumprod.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor,
+    aten.pow.Scalar, aten.__lshift__.Scalar, aten.__lshift__.Tensor,
 })
 """Int64 operations whose result may grow past their operands' range: the ones checked for
 overflow. (Integer products of matrices and scatter-adds are not among them.)"""
@@ -192,6 +193,15 @@ def _rule(node, intervals):
     if target is aten.cumsum.default:
         count = node.meta["val"].shape[args[1]] if node.meta["val"].dim() else 1
         return (min(a[0], count * a[0]), max(a[1], count * a[1]))
+    if target in (aten.__lshift__.Scalar, aten.__lshift__.Tensor):
+        shift = _interval(args[1], intervals)
+        if shift[0] < 0 or shift[1] >= 64:
+            return _UNBOUNDED
+        return _span(a[0] * 2 ** shift[0], a[0] * 2 ** shift[1], a[1] * 2 ** shift[0], a[1] * 2 ** shift[1])
+    if target is aten.cumprod.default:
+        count = node.meta["val"].shape[args[1]] if node.meta["val"].dim() else 1
+        largest = max(abs(a[0]), abs(a[1]))
+        return (-largest ** count, largest ** count) if largest < 2 or count < 64 else _UNBOUNDED
     if target in (aten.prod.default, aten.prod.dim_int, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor,
                   aten.pow.Scalar):
         power = (_reduced(node) if target in (aten.prod.default, aten.prod.dim_int)

@@ -29,12 +29,14 @@ class IntegerOps(nn.Module):
         running = x.cumsum(0)
         product = x.prod()
         squared = x ** 2
+        shifted = x << 20
+        running_product = x.cumprod(0)
         quotient = x // y
         remainder = x % y
         truncated = torch.fmod(x, y)
         converted = f.long()
         return (added, subtracted, reversed_, multiplied, negated, absolute, total, running, product,
-                squared, quotient, remainder, truncated, converted)
+                squared, shifted, running_product, quotient, remainder, truncated, converted)
 
 
 SAFE = dict(x=[3, -4, 5, 6], y=[2, 3, -7, 1], f=[1.5, -2.7, 3e3, 0.0])
@@ -49,6 +51,8 @@ FAULTS = [
     ("int64 overflow", "running = x.cumsum(0)", dict(x=[2**30, 2**30, -2**30, -7])),
     ("int64 overflow", "product = x.prod()", dict(x=[2**16, 2**15, 2, 1])),
     ("int64 overflow", "squared = x ** 2", dict(x=[46341, 1, 1, 1])),
+    ("int64 overflow", "shifted = x << 20", dict(x=[2048, 1, 1, 1])),
+    ("int64 overflow", "running_product = x.cumprod(0)", dict(x=[2**16, 2**15, 2, 1])),
     ("int64 overflow", "quotient = x // y", dict(x=[LOW, 1, 1, 1], y=[-1, 1, 1, 1])),
     ("integer division by zero", "quotient = x // y", dict(y=[2, 0, 1, 1])),
     ("integer division by zero", "remainder = x % y", dict(y=[2, 0, 1, 1])),
