@@ -272,11 +272,26 @@ def _template_program(layer: torch.nn.Module, exported, prefix: str) -> "Program
     return _build(layer, exported, prefix, None, host_inputs=False)
 
 
+_DATA_DEPENDENT_SIZES = frozenset({"aten.nonzero.default", "aten._unique2.default", "aten.unique_dim.default",
+                                   "aten.unique_consecutive.default", "aten.masked_select.default"})
+
+
+def _why_unlowered(op: str) -> str:
+    """Why ``op`` has no lowering, where there is a reason beyond a missing rule."""
+    if op in _DATA_DEPENDENT_SIZES:
+        return (" (its size depends on the data, which a compiled IPU program cannot hold: keep the shape "
+                "fixed with torch.where, masked_fill or torch.topk, then reduce)")
+    if op == "aten._local_scalar_dense.default":
+        return (" (x.item(), float(x) or int(x) reads a tensor's value into Python, which a program traced "
+                "once cannot: keep the value a tensor)")
+    return ""
+
+
 def _check_lowerable(graph_module: torch.fx.GraphModule) -> None:
     """Raise, naming each operation and its source line, where the graph has no lowering."""
     missing = interpreter.unsupported_ops(graph_module)
     if missing:
-        listing = "\n".join(f"  {op} at {where}" for op, where in missing)
+        listing = "\n".join(f"  {op} at {where}{_why_unlowered(op)}" for op, where in missing)
         raise Error("these operations have no lowering to JAX:\n" + listing +
                     "\nRewrite those lines with supported torch operations, or register a "
                     "lowering with ipu_backend.compiler.lowering(<op overload>).")

@@ -162,6 +162,20 @@ def test_unsupported_op_names_the_op_and_the_user_line():
     assert "register a lowering" in message
 
 
+@pytest.mark.parametrize("fn,op,why", [
+    (lambda x: x * x.sum().item(), "aten._local_scalar_dense.default", "x.item()"),
+    (lambda x: x[torch.nonzero(x > 0).squeeze(1)], "aten.nonzero.default", "size depends on the data"),
+    (lambda x: torch.unique((x > 0).long()).float(), "aten._unique2.default", "size depends on the data"),
+], ids=["item", "nonzero", "unique"])
+def test_ops_without_a_lowering_by_nature_say_why(fn, op, why):
+    class Reads(torch.nn.Module):
+        def forward(self, x):
+            return fn(x)
+
+    with pytest.raises(Error, match=re.escape(op) + ".*" + re.escape(why)):
+        compile_module(Reads(), (torch.randn(6),))
+
+
 def test_data_dependent_branch_explains_and_points_to_torch_cond():
     class Branchy(torch.nn.Module):
         def forward(self, x):
