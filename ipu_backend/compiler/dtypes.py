@@ -3,7 +3,8 @@
 JAX runs in its default 32-bit mode: torch's int64 is carried as int32 and float64 as float32
 on the device, and converted back at the host boundary. That keeps programs fast on every
 backend and leaves the user's global JAX configuration alone. An int64 value that int32 cannot
-hold is refused where it crosses to the device (:func:`check_int32_range`), never wrapped.
+hold, or a finite float64 value beyond float32's range, is refused where it crosses to the
+device (:func:`check_fits_device`), never wrapped or made infinite.
 """
 
 import jax.numpy as jnp
@@ -37,18 +38,28 @@ def jax_dtype(dtype: torch.dtype):
 
 
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
-_INT64 = np.dtype(np.int64)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+_INT64, _FLOAT64 = np.dtype(np.int64), np.dtype(np.float64)
 
 
-def check_int32_range(values, what: str) -> None:
+def check_fits_device(values, what: str) -> None:
     """Refuse int64 ``values`` (a tensor or numpy array) that int32, their device dtype, cannot
-    hold: converting would wrap them. ``what`` names the tensor in the error. (Each input of
-    each call is checked: two ufunc reductions, the cheapest full pass numpy has.)"""
+    hold (converting would wrap them), and finite float64 values beyond float32's range
+    (converting would make them infinite). ``what`` names the tensor in the error. (Each input
+    of each call is checked: a full pass, as cheap as numpy has, for these two dtypes only.)"""
     if isinstance(values, torch.Tensor):
-        if values.dtype != torch.int64:
+        if values.dtype not in (torch.int64, torch.float64):
             return
         values = values.detach().cpu().numpy()
-    if values.dtype != _INT64 or values.size == 0:
+    if values.size == 0 or values.dtype not in (_INT64, _FLOAT64):
+        return
+    if values.dtype == _FLOAT64:
+        beyond = values[np.abs(values) > FLOAT32_MAX]
+        beyond = beyond[np.isfinite(beyond)]
+        if beyond.size:
+            raise Error(f"{what} holds the float64 value {float(beyond[0])!r}, beyond the float32 range in "
+                        f"which the device carries float64 (±{FLOAT32_MAX:.7g}): it would become infinite. "
+                        "Scale the values into that range")
         return
     low, high = np.minimum.reduce(values, axis=None), np.maximum.reduce(values, axis=None)
     if low < INT32_MIN or high > INT32_MAX:
@@ -70,7 +81,7 @@ def to_host_array(tensor: torch.Tensor, what: str = "a tensor") -> np.ndarray:
 
 def _numpy(tensor: torch.Tensor, what: str) -> np.ndarray:
     tensor = tensor.detach()
-    check_int32_range(tensor, what)
+    check_fits_device(tensor, what)
     if tensor.dtype == torch.bfloat16:
         return tensor.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return tensor.cpu().numpy()

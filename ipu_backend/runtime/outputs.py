@@ -5,7 +5,7 @@ import torch
 from jax.sharding import PartitionSpec as P
 
 from ipu_backend.compiler import jax_dtype, to_torch
-from ipu_backend.compiler.dtypes import check_int32_range, to_jax
+from ipu_backend.compiler.dtypes import check_fits_device, to_jax
 from ipu_backend.errors import IndexOutOfRange
 from ipu_backend.runtime import processes
 from ipu_backend.runtime.devices import REPLICA
@@ -20,8 +20,7 @@ def host_inputs(args: tuple, schedule: Schedule) -> list:
         if x.dtype == torch.bfloat16:
             return split_batch(np.asarray(to_jax(x)), schedule)
         host = x.detach().cpu().numpy()
-        if x.dtype == torch.int64:
-            check_int32_range(host, f"input tensor {index} of the call (counting tensors in argument order)")
+        check_fits_device(host, f"input tensor {index} of the call (counting tensors in argument order)")
         return split_batch(host.astype(jax_dtype(x.dtype), copy=False), schedule)
 
     tensors = [x for x in torch.utils._pytree.tree_leaves(tuple(args)) if isinstance(x, torch.Tensor)]

@@ -1,6 +1,7 @@
 """int64 on a device that carries it as int32: values int32 holds are exact, values it cannot hold
 are refused where they cross to the device (never wrapped), and embedding indices are checked as
-torch checks them: before the call where they are inputs, after it where computed."""
+torch checks them: before the call where they are inputs, after it where computed. float64,
+carried as float32, is refused where a finite value would become infinite."""
 
 import pytest
 import torch
@@ -54,6 +55,26 @@ def test_int64_constant_outside_int32_is_refused():
 
     with pytest.raises(poptorch.Error, match=r"aten.add.Tensor at .*test_integers.py.*int32"):
         poptorch.inferenceModel(AddLarge())(torch.tensor([1, 2]))
+
+
+def test_float64_values_beyond_float32_are_refused_not_made_infinite():
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.tensor([2.0], dtype=torch.float64))
+
+        def forward(self, x):
+            return x * self.scale
+
+    executor = poptorch.inferenceModel(Scale())
+    within = torch.tensor([1e38, -1e-300, float("inf"), 1.0 / 3], dtype=torch.float64)
+    torch.testing.assert_close(executor(within), Scale()(within), rtol=1e-7, atol=1e-38)
+    with pytest.raises(poptorch.Error, match=r"input tensor 0 .* float64 value 1e\+300.*infinite"):
+        executor(torch.tensor([1.0, 1e300], dtype=torch.float64))
+    model = Scale()
+    model.scale.fill_(-5e40)
+    with pytest.raises(poptorch.Error, match=r"buffer scale holds the float64 value -5e\+40"):
+        poptorch.inferenceModel(model)(torch.ones(2, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("index", [2**32 + 3, 10, -1])
