@@ -151,9 +151,8 @@ class ExecutableCache:
         directory within its bound. A program XLA cannot serialize is left out."""
         try:
             payload, in_tree, out_tree = serialization.serialized(executable)
-        except (ValueError, NotImplementedError, AttributeError, TypeError, pickle.PicklingError) as error:
-            # e.g. a program calling back into Python (ipu_print_tensor): its callbacks do not pickle
-            logger.info("not caching a program on disk: XLA cannot serialize it (%s)", error)
+        except serialization.Unserializable as error:
+            logger.info("not caching a program on disk: %s", error)
             return
         try:
             data = pickle.dumps({"format": FORMAT, "executable": payload, "in_tree": in_tree, "out_tree": out_tree,

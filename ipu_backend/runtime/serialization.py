@@ -52,12 +52,24 @@ _LOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 """Each executable loaded from bytes -> ``(payload, in_tree, out_tree)`` it was loaded from."""
 
 
+class Unserializable(Error):
+    """A program XLA cannot write down: one that calls back into Python."""
+
+
 def serialized(executable) -> tuple:
     """``(payload, in_tree, out_tree)`` of ``executable``: the bytes it was loaded from, if it was
     loaded (XLA:CPU cannot serialize a loaded executable again: the copy lacks its compiled
     functions), else its serialization."""
     loaded = _LOADED.get(executable)
-    return loaded if loaded is not None else serialize_executable.serialize(executable)
+    if loaded is not None:
+        return loaded
+    try:
+        return serialize_executable.serialize(executable)
+    except (ValueError, NotImplementedError, AttributeError, TypeError, pickle.PicklingError) as error:
+        raise Unserializable(
+            "the program calls back into Python while it runs (a run-time check of its data, an "
+            "ipu_print_tensor or a poptorch.CPU op): such a program cannot be saved to a file nor kept "
+            f"in the executable cache, and compiles in each process ({type(error).__name__}: {error})") from error
 
 
 def deserialized(payload: bytes, in_tree, out_tree, devices: list):

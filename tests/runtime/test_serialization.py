@@ -129,3 +129,15 @@ def test_a_pipelined_model_saves_and_loads_each_stage_program(tmp_path, monkeypa
     torch.testing.assert_close(loss, expected[-1], rtol=RTOL, atol=ATOL)
     for p, q in zip(loaded.model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL)
+
+
+class DividesByInput(torch.nn.Module):
+    def forward(self, x, divisor):
+        return x // divisor
+
+
+def test_a_program_that_calls_back_into_python_cannot_be_exported_and_says_why(tmp_path):
+    executor = poptorch.inferenceModel(DividesByInput())      # an integer division by an input: checked
+    with pytest.raises(poptorch.Error, match="calls back into Python while it runs.*cannot be saved to a file"):
+        executor.compileAndExport(str(tmp_path / "model.poptorch"), torch.tensor([4, 6]), torch.tensor([2, 3]))
+    assert not (tmp_path / "model.poptorch").exists()
