@@ -35,7 +35,8 @@ _VIEWS = frozenset({
     aten.permute.default, aten.t.default, aten.slice.Tensor, aten.select.int, aten.expand.default,
     aten.alias.default, aten._to_copy.default,
 })
-"""Ops that pass index values through unchanged (``_to_copy`` only between integer dtypes)."""
+"""Ops that pass index values through unchanged (between integer tensors: ``_to_copy`` from a
+float rounds)."""
 
 ROWS = frozenset({aten.embedding.default, aten._embedding_bag.default,
                    aten._embedding_bag_forward_only.default})
@@ -54,8 +55,10 @@ def _shape(node) -> tuple | None:
 
 
 def _is_integer(arg) -> bool:
+    """An integer tensor node, not a mask (bool, or uint8 as aten still takes masks)."""
     value = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
-    return isinstance(value, torch.Tensor) and not value.dtype.is_floating_point and value.dtype != torch.bool
+    return (isinstance(value, torch.Tensor) and not value.dtype.is_floating_point
+            and value.dtype not in (torch.bool, torch.uint8))
 
 
 def index_uses(node: torch.fx.Node) -> list[IndexUse]:
@@ -83,7 +86,7 @@ def input_source(index) -> tuple[torch.fx.Node, object]:
     ``where(target != ignore_index, target, 0)``), or None."""
     ignored = None
     while isinstance(index, torch.fx.Node):
-        if index.target in _VIEWS and _is_integer(index):
+        if index.target in _VIEWS and _is_integer(index) and _is_integer(index.args[0]):
             index = index.args[0]
         elif ignored is None and _ignoring(index):
             ignored = index.args[0].args[1]
