@@ -8,6 +8,8 @@ call computed left on the device. A program with checks calls back into Python, 
 kept in the persistent executable cache.
 """
 
+import contextlib
+import contextvars
 import functools
 import threading
 
@@ -19,12 +21,26 @@ from ipu_backend.errors import Error
 _lock = threading.Lock()
 _recorded: list[str] = []
 _traced = threading.Event()
+_guards: contextvars.ContextVar[tuple] = contextvars.ContextVar("runtime_check_guards", default=())
+
+
+@contextlib.contextmanager
+def guarded(taken):
+    """Within the block, which traces a branch of a conditional, checks count only where
+    ``taken`` (a boolean scalar) holds: vmapped, a conditional computes both branches."""
+    token = _guards.set(_guards.get() + (taken,))
+    try:
+        yield
+    finally:
+        _guards.reset(token)
 
 
 def report(flag, message: str) -> None:
     """In the program being traced: when ``flag`` (a boolean array) holds a true value while the
     program runs, the call raises ``message``."""
     _traced.set()
+    for taken in _guards.get():
+        flag = flag & taken
     jax.lax.cond(flag, lambda f: jax.debug.callback(functools.partial(_record, message), f),
                  lambda f: None, flag)
 

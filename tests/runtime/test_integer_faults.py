@@ -189,3 +189,18 @@ def test_a_pipelined_model_checks_each_stage():
     with pytest.raises(poptorch.Error, match=r"int64 overflow: aten.mul.Tensor at .*ids \* 2\*\*20") as raised:
         training(ids, target)
     assert "65537" not in str(raised.value)
+
+
+class DividesInOneBranch(nn.Module):
+    def forward(self, x, d):
+        return torch.cond(x.sum() > 0, lambda x, d: x // d, lambda x, d: x * 2, (x, d))
+
+
+def test_a_check_in_a_branch_counts_only_where_the_branch_is_taken():
+    """A call's replicas are vmapped, where a conditional computes both branches."""
+    executor = poptorch.inferenceModel(DividesInOneBranch())
+    for x, d in (([4, 6], [2, 3]), ([-4, -6], [0, 3])):        # the second divides by 0 in the branch not taken
+        inputs = torch.tensor(x), torch.tensor(d)
+        torch.testing.assert_close(executor(*inputs), DividesInOneBranch()(*inputs), rtol=0, atol=0)
+    with pytest.raises(poptorch.Error, match="integer division by zero"):
+        executor(torch.tensor([4, 6]), torch.tensor([0, 3]))

@@ -8,18 +8,24 @@ import torch
 
 from ipu_backend.compiler.loops import FOR_LOOP
 from ipu_backend.compiler.registry import lowering
+from ipu_backend.compiler import runtime_checks
 from ipu_backend.compiler.runtime_checks import report
 from ipu_backend.errors import Error
 
 
 @lowering(torch.ops.higher_order.cond)
 def cond(ctx, pred, true_graph, false_graph, operands):
-    operands = tuple(operands)
-    branches = [
-        lambda ops, graph=graph, index=index: tuple(ctx.run_subgraph(graph, ops, index))
-        for index, graph in enumerate((false_graph, true_graph))
-    ]
-    return jax.lax.cond(jnp.asarray(pred, dtype=bool).reshape(()), branches[1], branches[0], operands)
+    """``lax.cond`` over the branch graphs. Each branch's run-time checks count only where it is
+    the branch taken: vmapped (replicas on one device), ``lax.cond`` computes both."""
+    operands, pred = tuple(operands), jnp.asarray(pred, dtype=bool).reshape(())
+
+    def branch(graph, index, taken):
+        def run(ops):
+            with runtime_checks.guarded(taken):
+                return tuple(ctx.run_subgraph(graph, ops, index))
+        return run
+
+    return jax.lax.cond(pred, branch(true_graph, 1, pred), branch(false_graph, 0, ~pred), operands)
 
 
 @lowering(torch.ops.aten._assert_async.msg)
