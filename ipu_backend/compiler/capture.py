@@ -235,6 +235,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     loss_checks.install(_CAPTURING.get)
     cumulative_batch_norm.install(_CAPTURING.get)
     refused_calls.install(_CAPTURING.get)
+    distribution_checks.install(_CAPTURING.get)
     containers.register((args, kwargs))
     # The module's results may hold container subclasses too: registered as it returns them.
     hook = module.register_forward_hook(lambda _, __, result: containers.register(result))
@@ -242,7 +243,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     attributes = _plain_tensor_attributes(target)     # non-strict export writes into them for real
     try:
         # preserve_node_meta keeps torch.fx.traceback.annotate(...) tags (pipeline blocks) on nodes.
-        with torch.fx.traceback.preserve_node_meta(), _capture_scope(), distribution_checks.skipped():
+        with torch.fx.traceback.preserve_node_meta(), _capture_scope():
             exported = torch.export.export(target, tuple(args), kwargs or None, strict=False)
     except GuardOnDataDependentSymNode as error:
         where = traceback_location(error.__traceback__) or "unknown source line"

@@ -1,46 +1,49 @@
-"""torch.distributions' argument checks while a model is captured.
+"""torch.distributions' argument checks, made while the compiled program runs.
 
-A distribution validates its parameters and samples by default (``validate_args``): Python
-``if`` statements on tensor values, which a compiled program, traced once, cannot take: the
-capture leaves them out and says so: a distribution built without ``validate_args=True`` of its own skips
-its checks inside the program, where invalid parameters or samples give unchecked results (NaN,
-say) instead of torch's ``ValueError``. A distribution given ``validate_args=True`` keeps its
-checks, so capturing it fails on them, naming the line.
+A distribution validates its parameters and the values it scores by default (``validate_args``)
+with Python ``if``s on ``torch._is_all_true(valid)``, which a program traced once cannot take.
+While a model is captured, in the capturing thread, ``torch._is_all_true`` is a stand-in that
+turns each such check into one the program makes as it runs (``_assert_async``, see
+``runtime_checks``) and lets the ``if`` pass: a call whose parameters or values break a
+constraint raises after it, naming the distribution, the parameter and the constraint, where
+torch raises ``ValueError``. ``validate_args=False`` (or
+``Distribution.set_default_validate_args(False)``) leaves the checks out, as in torch.
 """
 
-import contextlib
-import warnings
+import sys
+from collections.abc import Callable
 
-from torch.distributions import Distribution
+import torch
 
-
-class _Skipped:
-    """Falsy, like ``validate_args=False``; remembers that a distribution asked."""
-
-    def __init__(self):
-        self.asked = False
-
-    def __bool__(self) -> bool:
-        self.asked = True
-        return False
+_TORCH_IS_ALL_TRUE = torch._is_all_true
 
 
-@contextlib.contextmanager
-def skipped():
-    """Within the block, distributions that follow torch's default skip their checks; leaving it
-    without error, a warning says so when one did."""
-    default = Distribution._validate_args
-    if default is not True:                  # turned off by the user, or skipped already
-        yield
+def install(capturing: Callable[[], bool]) -> None:
+    """Put the stand-in for ``torch._is_all_true`` in place (once); ``capturing()`` tells
+    whether this thread is capturing a model."""
+    if torch._is_all_true is not _TORCH_IS_ALL_TRUE:
         return
-    stand_in = _Skipped()
-    Distribution._validate_args = stand_in
-    try:
-        yield
-    finally:
-        Distribution._validate_args = default
-    if stand_in.asked:
-        warnings.warn("torch.distributions' argument checks (validate_args) are not evaluated in the "
-                      "compiled program: invalid parameters or samples give unchecked results, not "
-                      "torch's ValueError (Distribution.set_default_validate_args(False) silences this)",
-                      stacklevel=4)
+
+    def _is_all_true(valid):
+        if not capturing() or not isinstance(valid, torch.Tensor):
+            return _TORCH_IS_ALL_TRUE(valid)
+        torch._assert_async(torch.all(valid), _what(sys._getframe(1).f_locals))
+        return True
+
+    _is_all_true.__doc__ = _TORCH_IS_ALL_TRUE.__doc__
+    torch._is_all_true = _is_all_true
+
+
+def _what(checking: dict) -> str:
+    """The check a distribution's method makes, from its local names (``Distribution.__init__``
+    checks ``param`` against ``constraint``; ``_validate_sample``, a value against ``support``)."""
+    owner = type(checking.get("self")).__name__
+    if "param" in checking and "constraint" in checking:
+        return (f"Expected parameter {checking['param']} of distribution {owner} to satisfy the constraint "
+                f"{checking['constraint']!r}, but found invalid values (torch raises ValueError; "
+                "validate_args=False leaves the check out)")
+    if "support" in checking:
+        return (f"Expected value argument to be within the support ({checking['support']!r}) of the "
+                f"distribution {owner}, but found invalid values (torch raises ValueError; "
+                "validate_args=False leaves the check out)")
+    return f"a check of {owner}'s arguments failed (torch raises ValueError)"
