@@ -3,6 +3,7 @@
 import contextlib
 import contextvars
 import functools
+import inspect
 import operator
 import os
 import types
@@ -142,6 +143,7 @@ class StepCall(torch.nn.Module):
         super().__init__()
         self.module = module
         self.method = method
+        _keep_frames_of(getattr(type(module), method, None))
         self.recorder = _LogRecorder(module)
         self.host_known = host_known
         self.taken = _Taken()
@@ -169,6 +171,15 @@ class StepCall(torch.nn.Module):
 
 
 _STEP_ARGUMENTS = contextvars.ContextVar("ipu_backend_step_arguments", default=(None, None))
+
+
+def _keep_frames_of(function) -> None:
+    """Keep ``function``'s frames in the stack traces of the nodes it makes: torch.export keeps
+    only frames of ``forward`` methods (and anchors it is told of), so a step method's lines,
+    which the errors name, would be lost. (torch versions without anchors keep every frame.)"""
+    register = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)
+    if register is not None and callable(function):
+        register(inspect.unwrap(function))
 
 
 @contextlib.contextmanager

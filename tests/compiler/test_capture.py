@@ -162,6 +162,17 @@ def test_unsupported_op_names_the_op_and_the_user_line():
     assert "register a lowering" in message
 
 
+def test_an_error_in_a_step_method_names_the_step_methods_line():
+    """torch.export keeps only ``forward`` frames in a node's stack trace; a step method's are
+    kept too."""
+    class Spectral(pl.LightningModule):
+        def training_step(self, batch, batch_idx):
+            return torch.fft.rfft(batch).abs().sum()  # step-fft-line
+
+    with pytest.raises(Error, match=re.escape(f"{THIS_FILE}:{line_of(THIS_FILE, '# step-fft-line')}")):
+        compile_module(Spectral(), (torch.randn(8), 0), method="training_step")
+
+
 @pytest.mark.parametrize("fn,op,why", [
     (lambda x: x * x.sum().item(), "aten._local_scalar_dense.default", "x.item()"),
     (lambda x: x[torch.nonzero(x > 0).squeeze(1)], "aten.nonzero.default", "size depends on the data"),
