@@ -23,7 +23,7 @@ class IndexUse:
     """One index argument of an operation: its values must lie in ``[low, size)``."""
 
     index: object
-    """The argument (a graph node, or a constant)."""
+    """The argument: a graph node, or the value given in its place (:func:`index_uses`)."""
     dim: int
     size: int
     low: int
@@ -61,22 +61,26 @@ def _is_integer(arg) -> bool:
             and value.dtype not in (torch.bool, torch.uint8))
 
 
-def index_uses(node: torch.fx.Node) -> list[IndexUse]:
-    """The index arguments of ``node`` with the range each must lie in; none for other ops."""
+def index_uses(node: torch.fx.Node, values=None) -> list[IndexUse]:
+    """The index arguments of ``node`` with the range each must lie in; none for other ops.
+    ``values``: the arguments' values, laid out as ``node.args`` (a lowering's), to give in
+    place of the graph's nodes."""
     if node.op != "call_function":
         return []
     target, args = node.target, node.args
+    values = args if values is None else values
     shape = _shape(args[0]) if args else None
     if shape is None or any(not isinstance(size, int) for size in shape):
         return []
     if target in ROWS:
-        return [IndexUse(args[1], 0, shape[0], 0)]
+        return [IndexUse(values[1], 0, shape[0], 0)]
     if target in _ALONG_DIM and shape:
         dim = args[1] % len(shape)
-        return [IndexUse(args[2], dim, shape[dim], 0)]
+        return [IndexUse(values[2], dim, shape[dim], 0)]
     if target in _ADVANCED:
-        return [IndexUse(index, dim, shape[dim], -shape[dim])
-                for dim, index in enumerate(args[1]) if index is not None and _is_integer(index)]
+        return [IndexUse(value, dim, shape[dim], -shape[dim])
+                for dim, (index, value) in enumerate(zip(args[1], values[1]))
+                if index is not None and _is_integer(index)]
     return []
 
 

@@ -60,18 +60,6 @@ _IN_FLOAT32 = {
 """Each operation of ``integer_ranges.ARITHMETIC``, computed in float32."""
 
 
-def _argument(index, node: torch.fx.Node, args):
-    """The value of ``node``'s argument ``index`` (a node of ``node.args``) among ``args``."""
-    for arg, value in zip(node.args, args):
-        if arg is index:
-            return value
-        if isinstance(arg, (list, tuple)):
-            for inner, inner_value in zip(arg, value):
-                if inner is index:
-                    return inner_value
-    raise Error(f"{node.target}: index argument {index} not found")
-
-
 def check(kind: str, node: torch.fx.Node, location: str, args, kwargs, result) -> None:
     """Add to the program being traced the check ``kind`` of ``node``'s ``result``."""
     where = f"{node.target} at {location}"
@@ -97,10 +85,10 @@ def check(kind: str, node: torch.fx.Node, location: str, args, kwargs, result) -
                    f"int64 overflow: {where} divided {INT32_MIN} by -1, a quotient outside {_RANGE}")
     elif kind == INDEX:
         checked = node.meta.get(index_bounds.HOST_CHECKED, ())
-        for number, use in enumerate(index_bounds.index_uses(node)):
+        for number, use in enumerate(index_bounds.index_uses(node, args)):
             if number in checked:
                 continue
-            index = jnp.asarray(_argument(use.index, node, args))
+            index = jnp.asarray(use.index)
             report(jnp.any((index < use.low) | (index >= use.size)),
                    f"index out of range: {where} took an index computed on the device outside "
                    f"[{use.low}, {use.size - 1}], for dimension {use.dim} of size {use.size}, which torch "

@@ -59,7 +59,7 @@ _QUOTIENTS = frozenset({aten.div.Tensor_mode, aten.div.Scalar_mode, aten.floor_d
 
 def checks(graph_module: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
     """Each node of the graph (nested graphs have their own) that needs a check -> what it
-    looks for (:data:`OVERFLOW`, :data:`CONVERSION` or :data:`DIVISION`)."""
+    looks for (:data:`OVERFLOW`, :data:`CONVERSION`, :data:`DIVISION` or :data:`INDEX`)."""
     intervals, found = {}, {}
     for node in graph_module.graph.nodes:
         if _index_may_leave(node, intervals):
@@ -92,8 +92,6 @@ def checks(graph_module: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
             interval = INT32
         intervals[node] = interval
     return found
-
-
 
 
 def _interval(arg, intervals) -> tuple:
