@@ -534,9 +534,14 @@ def test_every_optimizer_over_six_steps_equals_torch(make_optimizer):
     model(x[12:], y[12:])
     assert_params_equal(ipu, reference)
     model.copyWeightsToHost()
+    # Each slot within 1e-5 of its largest element: RMSprop divides each gradient element by its
+    # own root mean square, so an element that nearly cancels in the batch sum (rounded in
+    # another order than torch's) becomes a momentum of the same size as the others, its
+    # relative rounding error with it.
     for p, q in zip(ipu_optimizer.param_groups[0]["params"], torch_optimizer.param_groups[0]["params"]):
         for slot, value in torch_optimizer.state[q].items():
-            torch.testing.assert_close(ipu_optimizer.state[p][slot], value, rtol=RTOL, atol=ATOL, msg=slot)
+            torch.testing.assert_close(ipu_optimizer.state[p][slot], value, rtol=RTOL,
+                                       atol=ATOL + RTOL * value.abs().max().item(), msg=slot)
 
 
 def test_optimizer_state_round_trips_through_a_checkpoint():
