@@ -5,8 +5,9 @@ is touched (parameters, buffers, ``state_dict``, a forward call): the module's c
 for a subclass whose accessors copy the weights back first, and only when they changed.
 
 A host write (seen by a tensor's version counter and identity: ``load_state_dict``, in-place
-updates under ``torch.no_grad()``, a new tensor assigned; a write through ``.data`` bypasses the
-version counter and is not seen) is never overwritten by device state computed before it: copying
+updates under ``torch.no_grad()``, a new tensor assigned; a write through ``.data``, which no
+version counter sees, is assumed of any parameter whose ``.data`` was read: ``held_parameters.py``)
+is never overwritten by device state computed before it: copying
 the device's weights back skips the tensors written since the device's last update. A new
 executor starts from the host's weights and buffers (:meth:`WeightStore.load_from_host` at its
 first call); an existing one takes the host writes made since its last call at its next one
@@ -17,7 +18,6 @@ Calls and copies of one module's weights hold its store's lock, so executors sha
 called from several threads: one call at a time, every update kept.
 """
 
-import threading
 import weakref
 
 import jax
@@ -26,6 +26,7 @@ import torch
 from ipu_backend.compiler import to_jax, to_torch
 from ipu_backend.compiler.dtypes import to_host_array
 from ipu_backend.errors import Error
+from ipu_backend.runtime.held_parameters import QuietLock, hold, let_go, quiet, quietly
 from ipu_backend.runtime.packing import Packing
 
 _STORES: "weakref.WeakKeyDictionary[torch.nn.Module, WeightStore]" = weakref.WeakKeyDictionary()
@@ -48,6 +49,16 @@ def _running_statistics_updated(written: set[str], tensors: list) -> set[str]:
     return {prefix + statistic for prefix in prefixes for statistic in _RUNNING_STATISTICS} & {n for n, _ in tensors}
 
 
+def _unversioned_statistics(module: torch.nn.Module) -> set[str]:
+    """The running statistics of the module's instance norms that track them: some torch versions'
+    kernels update them in a forward on the host without a version-counter bump, and no counter
+    beside them moves."""
+    return {f"{prefix}{'.' if prefix else ''}{statistic}"
+            for prefix, sub in torch.nn.Module.named_modules(module)
+            if isinstance(sub, torch.nn.modules.instancenorm._InstanceNorm) and sub.track_running_stats
+            for statistic in _RUNNING_STATISTICS}
+
+
 class WeightStore:
     """Parameters and buffers of one module as JAX arrays, with the direction of staleness. The
     parameters are laid out as ``packing`` says (some stacked, see ``runtime/packing.py``): as the
@@ -66,11 +77,15 @@ class WeightStore:
         self.training_wrapper = None
         """A weak reference to the executor ``trainingModel`` made of the module (one at a time)."""
         self.on_host_load = []         # callbacks run with the names of the host writes loaded
-        self.lock = threading.RLock()
+        self.lock = QuietLock()
         """Held by every call and copy of these weights: one at a time, from any thread."""
         self._agreed: dict[str, tuple] = {}
         """name -> (tensor, version, data pointer) as of the device's last update, for each
         host tensor that then held the device's value."""
+        self._data_read: set[int] = set()
+        """The ids of the parameters whose ``.data`` was read since they were last loaded."""
+        self._statistics = dict.fromkeys(_unversioned_statistics(module))
+        """name -> the value last agreed, of each :func:`_unversioned_statistics` (compared)."""
 
     def device_state(self, packing: Packing = Packing()) -> tuple[dict, dict]:
         """The weights for the next device call, parameters laid out as ``packing`` says, read
@@ -118,6 +133,7 @@ class WeightStore:
             self.buffers = {**self.buffers, **{name: to_jax(host[name], f"buffer {name}") for name in names}}
             self._agree((name, host[name]) for name in names)
 
+    @quietly
     def update(self, params: dict, buffers: dict, packing: Packing = Packing(), writer=None,
                changed: bool = True) -> None:
         """New weights computed on the device (parameters laid out as ``packing`` says) by the
@@ -131,8 +147,11 @@ class WeightStore:
             return
         self.host_stale = True
         self._writer = None if writer is None else weakref.ref(writer)
+        self._data_read.clear()
         self._agreed = {name: (tensor, tensor._version, tensor.data_ptr())
                         for name, (tensor, _, _) in self._agreed.items()}
+        self._statistics.update((name, tensor.detach().clone()) for name, (tensor, _, _) in self._agreed.items()
+                                if name in self._statistics)
 
     def load_host_writes(self) -> None:
         """Only the tensors the host wrote since the device's last update become the device's
@@ -190,10 +209,13 @@ class WeightStore:
         else:
             writer.copyWeightsToHost()
 
+    @quietly
     def host_writes(self) -> set[str]:
         """The host tensors written since the device's last update (or never loaded)."""
         tensors = _host_tensors(self.module)
-        written = {name for name, tensor in tensors if not self._agrees(name, tensor)}
+        written = {name for name, tensor in tensors
+                   if not self._agrees(name, tensor) or id(tensor) in self._data_read
+                   or (name in self._statistics and not torch.equal(tensor, self._statistics[name]))}
         return written | _running_statistics_updated(written, tensors)
 
     def sync_to_host(self) -> None:
@@ -223,7 +245,20 @@ class WeightStore:
                 and agreed[2] == tensor.data_ptr())
 
     def _agree(self, tensors) -> None:
+        tensors = list(tensors)
         self._agreed.update((name, (tensor, tensor._version, tensor.data_ptr())) for name, tensor in tensors)
+        self._data_read.difference_update(id(tensor) for _, tensor in tensors)
+        self._statistics.update((name, tensor.detach().clone()) for name, tensor in tensors
+                                if name in self._statistics)
+
+    def parameter_read(self, parameter: torch.nn.Parameter, attribute: str) -> None:
+        """A parameter of the module, wherever held, is read (``held_parameters.py``): the
+        device's weights reach the host first; a read of ``.data`` counts as a host write."""
+        with quiet():
+            if self.host_stale:
+                self.implicit_copy()
+            if attribute == "data":
+                self._data_read.add(id(parameter))
 
 
 def weight_store(module: torch.nn.Module) -> WeightStore:
@@ -232,6 +267,7 @@ def weight_store(module: torch.nn.Module) -> WeightStore:
     if store is None:
         store = _STORES[module] = WeightStore(module)
         _make_host_syncing(module)
+        hold(torch.nn.Module.parameters(module), store)
     return store
 
 
@@ -261,6 +297,7 @@ def release(module: torch.nn.Module, executor) -> None:
         if store.forget(executor):
             return
         del _STORES[module]
+        let_go(torch.nn.Module.parameters(module))
     cls = type(module)
     if getattr(cls, "_ipu_original_class", None) is not None:
         module.__class__ = cls._ipu_original_class
@@ -269,7 +306,8 @@ def release(module: torch.nn.Module, executor) -> None:
 def _sync(module) -> None:
     store = _STORES.get(module)
     if store is not None and store.host_stale:
-        store.implicit_copy()
+        with quiet():
+            store.implicit_copy()
 
 
 class _HostSyncing:

@@ -108,6 +108,7 @@ HOST_WRITES = {
     "a buffer reset": lambda m: m.norm.reset_running_stats(),
     "load_state_dict": lambda m: m.load_state_dict({k: v * 0.5 for k, v in m.state_dict().items()}),
     "a new tensor as .data": lambda m: setattr(m.linear.weight, "data", torch.full((3, 4), 0.25)),
+    "in place through .data": lambda m: m.linear.weight.data.clamp_(-0.1, 0.1),
 }
 
 
@@ -297,3 +298,42 @@ def test_an_inference_executor_computes_with_weights_trained_on_the_host_since()
     torch_steps(model, optimizer, x[None], y[None])
     expected = copy.deepcopy(model).eval()(x)
     torch.testing.assert_close(inference(x), expected, rtol=RTOL, atol=ATOL)
+
+
+class InstanceNormed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.InstanceNorm1d(3, affine=True, track_running_stats=True)
+        self.linear = torch.nn.Linear(5, 2)
+
+    def forward(self, x, y=None):
+        out = self.linear(self.norm(x))
+        return out if y is None else (out, F.mse_loss(out, y))
+
+
+HOST_STATISTICS_WRITES = {
+    "a forward in training mode": lambda m, x: m.train()(x),
+    "in place through .data": lambda m, x: m.norm.running_var.data.mul_(2.0),
+}
+
+
+@pytest.mark.parametrize("write", HOST_STATISTICS_WRITES)
+def test_an_instance_norms_running_statistics_written_on_the_host_reach_the_next_call(write):
+    """Some torch versions' instance-norm kernels update the running statistics without a
+    version-counter bump, as a write through ``.data`` does: their values are compared."""
+    torch.manual_seed(0)
+    model = InstanceNormed()
+    reference = copy.deepcopy(model)
+    ipu = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(4)
+    xs, ys = torch.randn(2, 4, 3, 5, generator=generator), torch.randn(2, 4, 3, 2, generator=generator)
+    host_x = 3 * torch.randn(4, 3, 5, generator=generator) + 1
+    ipu(xs[0], ys[0])
+    torch_steps(reference, torch_optimizer, xs[:1], ys[:1])
+    for module in (model, reference):
+        with torch.no_grad():
+            HOST_STATISTICS_WRITES[write](module, host_x)
+    ipu(xs[1], ys[1])
+    torch_steps(reference, torch_optimizer, xs[1:], ys[1:])
+    assert_same_state(model, reference)
