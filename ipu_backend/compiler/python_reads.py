@@ -7,7 +7,8 @@ is unchanged: they are the program's guards, as torch.compile's are. While a cap
 module's class is swapped for a subclass that notes the plain values its instance attributes
 give; :func:`changed` then compares them with the module's current ones.
 
-``training`` is not a guard: executors set each submodule's mode for their capture themselves.
+``training`` is not noted: an executor that captures with the module's own modes guards every
+submodule's flag (:func:`modes`); one that sets them for its capture (``inferenceModel``), none.
 Nor are the attributes of torchmetrics objects: their states are the program's inputs and
 outputs (``metric_states``), and their own bookkeeping (update counts) changes every call.
 """
@@ -135,6 +136,13 @@ def every_attribute(module: torch.nn.Module) -> tuple[Read, ...]:
                  for path, m in _guarded_modules(module)
                  for name, value in m.__dict__.items()
                  if name not in _NOT_GUARDED and ((frozen := snapshot(value)) is not None or value is None))
+
+
+def modes(module: torch.nn.Module) -> tuple[Read, ...]:
+    """A :class:`Read` of the ``training`` flag of each module of ``module``'s tree: the guards of
+    a capture made in the modes the user left (``model.eval()`` between training calls trains as
+    torch does in eval mode: batch norms on their running statistics, no dropout)."""
+    return tuple(Read(weakref.ref(m), path, "training", m.training) for path, m in _guarded_modules(module))
 
 
 def _guarded_modules(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

@@ -29,7 +29,7 @@ from ipu_backend.runtime.lifecycle import (
     input_signature,
     optimizer_state_for,
 )
-from ipu_backend.runtime.module_modes import capture_modes
+from ipu_backend.runtime.module_modes import capture_modes, guarding_modes
 from ipu_backend.runtime.module_repr import module_repr
 from ipu_backend.runtime.multi_ipu_builder import build, check_ipu_count
 from ipu_backend.runtime.optimizers import needs_running_mean, notice_subclass
@@ -510,9 +510,10 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         try:
             with capture_modes(model, self._training, self._step_method), phase(CAPTURE), \
                     self._capturing(), replica_groups.one_group_each(model, self._replica_rows()):
-                return compile_module(model, micro, method=self._step_method, keywords=keywords,
-                                      loop_repeated_layers=self._settings.loop_repeated_layers,
-                                      host_input=None if self._step_method is None else host_known_input())
+                program = compile_module(model, micro, method=self._step_method, keywords=keywords,
+                                         loop_repeated_layers=self._settings.loop_repeated_layers,
+                                         host_input=None if self._step_method is None else host_known_input())
+            return guarding_modes(program, model, self._training, self._step_method)
         finally:
             compile_hooks.run(compile_hooks.POST_COMPILE)
 

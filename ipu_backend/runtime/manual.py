@@ -75,7 +75,7 @@ from ipu_backend.runtime.lifecycle import (
 )
 from ipu_backend.runtime.multi_ipu_builder import check_ipu_count
 from ipu_backend.runtime.optimizers import notice_subclass
-from ipu_backend.runtime.module_modes import capture_modes
+from ipu_backend.runtime.module_modes import capture_modes, guarding_modes
 from ipu_backend.runtime.algorithms import optimizer_rule
 from ipu_backend.runtime.outputs import check_index_inputs, inputs_to_device
 from ipu_backend.runtime.random_state import restore_random_state
@@ -364,8 +364,9 @@ class ManualStepExecutor(Executor):
         object.__setattr__(model, _STEP_ATTRIBUTE, step)
         try:
             with capture_modes(model, True, self._step_method), phase(CAPTURE), self._capturing():
-                return compile_module(model, micro if versions is None else (*micro, versions),
-                                      method=_STEP_ATTRIBUTE, loop_repeated_layers=self._settings.loop_repeated_layers)
+                program = compile_module(model, micro if versions is None else (*micro, versions),
+                                         method=_STEP_ATTRIBUTE, loop_repeated_layers=self._settings.loop_repeated_layers)
+            return guarding_modes(program, model, True, self._step_method)
         finally:
             object.__delattr__(model, _STEP_ATTRIBUTE)
 

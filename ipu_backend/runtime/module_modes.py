@@ -9,18 +9,34 @@ while it is captured; afterwards every flag is what it was.
 """
 
 import contextlib
+import dataclasses
 
 import torch
+
+from ipu_backend.compiler import python_reads
+
+
+def _sets_modes(training: bool, step_method: str | None) -> bool:
+    return not training and step_method is None
 
 
 @contextlib.contextmanager
 def capture_modes(model: torch.nn.Module, training: bool, step_method: str | None):
     """Within: ``model`` in the modes its program is captured with; after: its own flags."""
     flags = [(module, module.training) for module in model.modules()]
-    if not training and step_method is None:
+    if _sets_modes(training, step_method):
         model.eval()
     try:
         yield
     finally:
         for module, flag in flags:
             module.training = flag
+
+
+def guarding_modes(program, model: torch.nn.Module, training: bool, step_method: str | None):
+    """``program``, captured with ``model``'s own modes, guarded by them too: a flag changed
+    since (``model.eval()`` between training calls) captures the model again, as torch would
+    compute in the new mode."""
+    if _sets_modes(training, step_method):
+        return program
+    return dataclasses.replace(program, python_reads=program.python_reads + python_reads.modes(model))

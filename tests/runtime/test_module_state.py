@@ -129,6 +129,32 @@ def test_submodule_in_eval_mode_stays_in_eval_mode_while_training():
     assert model.training and not model.norm.training and not model.dropout.training
 
 
+def test_modes_changed_between_training_calls_train_as_torch_does_in_them():
+    """``model.eval()`` (or one submodule's) between calls: the next call normalizes with the
+    running statistics and leaves them alone, as torch's step does; back in ``train()``, the
+    batch statistics again."""
+    torch.manual_seed(0)
+    model = Normalized()
+    model.dropout.p = 0.0          # its draws are not torch's
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(1)
+    xs, targets = torch.randn(5, 16, 6, generator=generator), torch.randn(5, 16, 6, generator=generator)
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ipu = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    modes = [lambda m: m.train(), lambda m: m.eval(), lambda m: m.train(), lambda m: m.norm.eval(),
+             lambda m: m.train()]
+    for set_mode, x, target in zip(modes, xs, targets):
+        set_mode(model)
+        set_mode(reference)
+        torch_optimizer.zero_grad()
+        expected, loss = reference(x, target)
+        loss.backward()
+        torch_optimizer.step()
+        torch.testing.assert_close(ipu(x, target)[0], expected, rtol=RTOL, atol=ATOL)
+    assert_same_parameters(model, reference)
+    torch.testing.assert_close(model.norm.running_mean, reference.norm.running_mean, rtol=RTOL, atol=ATOL)
+
+
 def test_inference_model_runs_everything_in_eval_mode_and_leaves_the_flags():
     torch.manual_seed(0)
     model = Normalized()
