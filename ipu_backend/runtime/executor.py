@@ -385,7 +385,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
 
     def _param_groups(self) -> tuple | None:
         """``host_optimizer.param_group_values`` of the optimizer (None without one), read once a call."""
-        return None if self._optimizer is None else host_optimizer.param_group_values(self._optimizer)
+        return None if self._optimizer is None else host_optimizer.param_group_values(self._optimizer, self._user_model)
 
     def _cache_key(self, args: tuple, groups: tuple | None, keywords: tuple) -> tuple:
         structure = None if groups is None else (groups[0],) + tuple(group[0] for group in groups[1:])

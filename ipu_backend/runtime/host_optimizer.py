@@ -54,10 +54,14 @@ def _plain(value):
     return value
 
 
-def param_group_values(optimizer) -> tuple:
+def param_group_values(optimizer, module: torch.nn.Module) -> tuple:
     """Everything an optimizer rule reads from ``optimizer``: its kind, and each param group's
-    parameters and values. Equal values give equal hyper-parameters and the same rule match."""
+    parameters, with the name ``module`` holds each under (None for a tensor it no longer holds:
+    a parameter replaced since), and values. Equal values give equal hyper-parameters and the
+    same rule match; a replaced parameter gives another program, never one that trains the new
+    tensor in the old one's place."""
+    names = {id(p): name for name, p in torch.nn.Module.named_parameters(module)}
     return (type(optimizer),) + tuple(
-        (tuple((id(p), p.requires_grad) for p in group["params"]),
+        (tuple((id(p), p.requires_grad, names.get(id(p))) for p in group["params"]),
          tuple((k, _plain(v)) for k, v in group.items() if k != "params"))
         for group in optimizer.param_groups)

@@ -245,7 +245,10 @@ class WeightStore:
                 and agreed[2] == tensor.data_ptr())
 
     def _agree(self, tensors) -> None:
+        """``tensors`` hold the device's values now; parameters among them show them from now
+        on wherever they are held (one assigned since the module's first executor too)."""
         tensors = list(tensors)
+        hold([tensor for _, tensor in tensors if isinstance(tensor, torch.nn.Parameter)], self)
         self._agreed.update((name, (tensor, tensor._version, tensor.data_ptr())) for name, tensor in tensors)
         self._data_read.difference_update(id(tensor) for _, tensor in tensors)
         self._statistics.update((name, tensor.detach().clone()) for name, tensor in tensors
@@ -267,7 +270,7 @@ def weight_store(module: torch.nn.Module) -> WeightStore:
     if store is None:
         store = _STORES[module] = WeightStore(module)
         _make_host_syncing(module)
-        hold(torch.nn.Module.parameters(module), store)
+        hold(torch.nn.Module.parameters(module), store)   # before the first load: .data reads count
     return store
 
 

@@ -5,6 +5,7 @@ the next call, as torch computes with them. Against torch eager, fp32 within 1e-
 import copy
 import pickle
 
+import pytest
 import torch
 
 import ipu_backend as poptorch
@@ -89,6 +90,41 @@ def test_a_training_loop_that_leaves_its_held_parameters_alone_copies_nothing_to
     assert len(copies) == 1
     held[1].sum()
     assert len(copies) == 1, "nothing new on the device: no copy"
+
+
+def test_a_parameter_assigned_between_calls_is_held_too():
+    """A new parameter, and a new optimizer holding it (``setOptimizer``), as torch trains it."""
+    model, reference = models()
+    ipu = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    xs, ys = data()
+    ipu(xs[0], ys[0])
+    torch_steps(reference, torch_optimizer, xs[:1], ys[:1])
+    model.linear.bias = torch.nn.Parameter(torch.zeros(3))
+    reference.linear.bias = torch.nn.Parameter(torch.zeros(3))
+    ipu.setOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    bias = model.linear.bias
+    for step in (1, 2):
+        ipu(xs[step], ys[step])
+        torch_steps(reference, torch_optimizer, xs[step:step + 1], ys[step:step + 1])
+        bias.data.add_(0.5)
+        reference.linear.bias.data.add_(0.5)
+    assert_same_state(model, reference)
+    torch.testing.assert_close(bias.detach(), reference.linear.bias.detach(), rtol=RTOL, atol=ATOL)
+
+
+def test_a_parameter_replaced_under_its_optimizer_is_refused():
+    """torch's optimizer would go on updating the old tensor, which no longer gets a gradient,
+    and leave the new one alone; a program that trains the new one in the old one's place
+    would not, so the next call names the tensor the optimizer holds."""
+    model, _ = models()
+    ipu = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    xs, ys = data()
+    ipu(xs[0], ys[0])
+    model.linear.bias = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(poptorch.Error, match=r"holds a tensor of shape \(3,\) that is not a parameter of the model"):
+        ipu(xs[1], ys[1])
 
 
 class Tagged(torch.nn.Parameter):
