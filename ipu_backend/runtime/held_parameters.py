@@ -39,15 +39,6 @@ def quiet():
         _QUIET.reset(token)
 
 
-def quietly(method):
-    """``method`` run within :func:`quiet`."""
-    @functools.wraps(method)
-    def run_quietly(*args, **kwargs):
-        with quiet():
-            return method(*args, **kwargs)
-    return run_quietly
-
-
 _METADATA = frozenset({
     "__class__", "__dict__", "shape", "dtype", "device", "layout", "size", "dim", "ndim", "numel",
     "nelement", "element_size", "stride", "is_contiguous", "is_floating_point", "is_complex",
@@ -105,6 +96,8 @@ def hold(parameters, store) -> None:
     """``parameters`` show ``store``'s device weights from now on, wherever they are held."""
     with quiet():
         for parameter in parameters:
+            if _owner(parameter) is store:
+                continue
             key = id(parameter)
             _OWNERS[key] = (weakref.ref(parameter, lambda _, key=key: _OWNERS.pop(key, None)),
                             weakref.ref(store))

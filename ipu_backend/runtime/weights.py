@@ -26,7 +26,7 @@ import torch
 from ipu_backend.compiler import to_jax, to_torch
 from ipu_backend.compiler.dtypes import to_host_array
 from ipu_backend.errors import Error
-from ipu_backend.runtime.held_parameters import QuietLock, hold, let_go, quiet, quietly
+from ipu_backend.runtime.held_parameters import QuietLock, hold, let_go, quiet
 from ipu_backend.runtime.packing import Packing
 
 _STORES: "weakref.WeakKeyDictionary[torch.nn.Module, WeightStore]" = weakref.WeakKeyDictionary()
@@ -133,7 +133,6 @@ class WeightStore:
             self.buffers = {**self.buffers, **{name: to_jax(host[name], f"buffer {name}") for name in names}}
             self._agree((name, host[name]) for name in names)
 
-    @quietly
     def update(self, params: dict, buffers: dict, packing: Packing = Packing(), writer=None,
                changed: bool = True) -> None:
         """New weights computed on the device (parameters laid out as ``packing`` says) by the
@@ -209,7 +208,6 @@ class WeightStore:
         else:
             writer.copyWeightsToHost()
 
-    @quietly
     def host_writes(self) -> set[str]:
         """The host tensors written since the device's last update (or never loaded)."""
         tensors = _host_tensors(self.module)
@@ -270,7 +268,6 @@ def weight_store(module: torch.nn.Module) -> WeightStore:
     if store is None:
         store = _STORES[module] = WeightStore(module)
         _make_host_syncing(module)
-        hold(torch.nn.Module.parameters(module), store)   # before the first load: .data reads count
     return store
 
 
