@@ -520,7 +520,7 @@ def _manual_call(program, micro: tuple, events: tuple, groups: tuple, rules: tup
                 grads.update(event.clipping(grads, present))
             elif isinstance(event, Step):
                 rule = rules[event.optimizer]
-                unscale = (lambda g: g / scaler["scale"]) if loss_scaling else (lambda g: g)
+                unscale = (lambda g: g * (1 / scaler["scale"])) if loss_scaling else (lambda g: g)
                 full = {n: unscale(grads[n]) if n in grads else jnp.zeros_like(current[n]) for n in rule.names}
                 owned = {n: current[n] for n in groups[event.optimizer]}
                 new_params, new_state = optimizer_update(

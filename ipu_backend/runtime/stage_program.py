@@ -246,8 +246,8 @@ class StageProgram:
         averaged as asked."""
         schedule = self.settings.schedule
         scale_sum = schedule.accumulation * schedule.replicas if schedule.mean_reduction else 1
-        return {n: jax.lax.psum((acc[n] + sum(lent.get(n, ())))[0], REPLICA) / (scale_sum * loss_scale)
-                for n in names}
+        unscale = 1 / (scale_sum * loss_scale)            # a product fuses into the update (step.py)
+        return {n: jax.lax.psum((acc[n] + sum(lent.get(n, ())))[0], REPLICA) * unscale for n in names}
 
     def _value_clipped(self, grads):
         clipping = self.settings.clipping

@@ -434,7 +434,10 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
         indices = jnp.arange(schedule.accumulation)
         (grads_sum, buffers), ys = _loop(accumulate, (zero_gradients(params), buffers), (inputs, indices),
                                          schedule.accumulation)
-        grads = jax.tree.map(lambda g: g / (scale_sum * loss_scale), replica_sum(grads_sum, mesh.size))
+        # times the reciprocal, which XLA fuses into each update reading the gradient, where a
+        # quotient gets a kernel and a buffer per parameter; exact for powers of two
+        unscale = 1 / (scale_sum * loss_scale)
+        grads = jax.tree.map(lambda g: g * unscale, replica_sum(grads_sum, mesh.size))
         new_params, new_opt_state = optimizer_update(rule, grads, opt_state, params, hyper,
                                             jax.random.fold_in(key, schedule.accumulation), schedule)
         if schedule.dynamic_loss_scaling:
