@@ -24,6 +24,8 @@ import threading
 import time
 from typing import Protocol
 
+from ipu_backend.runtime import collector_pause
+
 logger = logging.getLogger("ipu_backend")
 
 ENVIRONMENT_VARIABLE = "IPU_BACKEND_COMPILATION_PROGRESS"
@@ -148,7 +150,9 @@ def _display(show: bool) -> Display | None:
 
 
 class Compilation:
-    """The phases of one compilation, timed; the innermost phase open gets the time."""
+    """The phases of one compilation, timed; the innermost phase open gets the time. From its
+    first phase to its end the garbage collector leaves older objects alone
+    (``collector_pause``)."""
 
     def __init__(self, label: str, display: Display | None):
         self.label = label
@@ -159,6 +163,8 @@ class Compilation:
         self.seconds: dict[str, float] = {}
 
     def begin(self, name: str) -> None:
+        if not self.seconds and not self._closed:
+            collector_pause.hold()
         self._charge()
         self._open.append(name)
         self.seconds.setdefault(name, 0.0)
@@ -180,6 +186,7 @@ class Compilation:
         if not self.seconds or self._closed:
             return
         self._closed = True
+        collector_pause.release()
         ended = time.perf_counter()
         seconds = self.status().seconds
         seconds[OTHER] = max(0.0, ended - self._started - sum(seconds.values()))

@@ -1,6 +1,7 @@
 """The compilation's progress display and its phase times in the log (runtime/compile_progress.py)."""
 
 import contextlib
+import gc
 import io
 import logging
 import re
@@ -139,3 +140,45 @@ def test_a_failed_compilation_ends_the_line_and_logs_no_time(caplog):
     assert re.search(r"\rGraph compilation: failed after \d+\.\d s \(capture \d+\.\d\d s, other \d+\.\d\d s\)"
                      r"\x1b\[K\n$", stderr.getvalue()), stderr.getvalue()
     assert not [r for r in caplog.records if r.getMessage().startswith("compiled the")]
+
+
+FROZEN_WHEN_TRACED = []
+
+
+class FreezeWatching(Regression):
+    """Notes how many objects the garbage collector has set aside each time it is traced."""
+
+    def forward(self, x, y):
+        FROZEN_WHEN_TRACED.append(gc.get_freeze_count())
+        return super().forward(x, y)
+
+
+def train_once(net):
+    model = poptorch.trainingModel(net, poptorch.Options().showCompilationProgressBar(False),
+                                   optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    model(torch.randn(4, 3), torch.randn(4, 2))
+
+
+def test_the_collector_leaves_older_objects_alone_while_compiling_only():
+    assert gc.get_freeze_count() == 0
+    FROZEN_WHEN_TRACED.clear()
+    train_once(FreezeWatching())
+    assert FROZEN_WHEN_TRACED and all(count > 0 for count in FROZEN_WHEN_TRACED)
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(ValueError, match="broken forward"):
+        poptorch.inferenceModel(Broken())(torch.randn(4, 3))
+    assert gc.get_freeze_count() == 0
+
+
+def test_objects_the_process_froze_stay_frozen():
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        FROZEN_WHEN_TRACED.clear()
+        train_once(FreezeWatching())
+        # frozen again, the objects created since (the model, the executor) would be counted;
+        # unfrozen, none: frozen objects only leave the count when they are freed
+        assert FROZEN_WHEN_TRACED and all(0 < count <= before for count in FROZEN_WHEN_TRACED)
+        assert 0 < gc.get_freeze_count() <= before
+    finally:
+        gc.unfreeze()
