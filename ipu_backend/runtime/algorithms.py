@@ -210,6 +210,7 @@ class _LAMBRule(OptimizerRule):
     decay, scaled per tensor by the trust ratio ``min(|w|, max_weight_norm) / |update|``."""
 
     algorithm = "LAMB"
+    elementwise = False
 
     def _read_options(self, optimizer):
         return {"bias_correction": optimizer_wide(optimizer, "bias_correction"),

@@ -122,6 +122,11 @@ class OptimizerRule:
     """
 
     algorithm = ""
+    elementwise = True
+    """Whether each element's update reads only that element of the parameter, its gradient and
+    moments, and the step: then a stacked parameter is updated whole, its steps broadcast over
+    the stacked axis, where otherwise it is updated layer by layer (``jax.vmap``, whose tracing
+    costs more)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, param_names: Mapping[int, str], stacks=(),
                  without_gradient: frozenset = frozenset()):
@@ -199,7 +204,8 @@ class OptimizerRule:
             def step_one(param, grad, slots, group_hyper=group_hyper, options=options):
                 step = slots["step"] + 1 if "step" in slots else None
                 moments = {slot: value.astype(jnp.float32) for slot, value in slots.items() if slot != "step"}
-                new_param, moments = self._step(param.astype(jnp.float32), grad, moments, step,
+                each = None if step is None else step.reshape(step.shape + (1,) * (param.ndim - step.ndim))
+                new_param, moments = self._step(param.astype(jnp.float32), grad, moments, each,
                                                 group_hyper, options)
                 new_slots = {slot: value.astype(slots[slot].dtype) for slot, value in moments.items()}
                 if step is not None:
@@ -210,7 +216,7 @@ class OptimizerRule:
                 if name in self.without_gradient:
                     new_state[name] = state[name]
                     continue
-                update = jax.vmap(step_one) if name in self.stacked else step_one
+                update = jax.vmap(step_one) if name in self.stacked and not self.elementwise else step_one
                 new_params[name], new_state[name] = update(params[name], grads[name], state[name])
         return new_params, new_state
 
