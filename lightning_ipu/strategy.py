@@ -420,6 +420,14 @@ class IPUStrategy(ParallelStrategy):
                           f"advance by device_iterations={iterations} per batch: metrics are logged when "
                           "the count reaches a multiple of it; use a multiple or divisor of "
                           f"{iterations}", stacklevel=3)
+        stepped = [config for config in self.lr_scheduler_configs if config.interval == "step"]
+        if iterations > 1 and stepped and self.lightning_module.automatic_optimization:
+            warnings.warn(f"{type(stepped[0].scheduler).__name__} (interval='step') is stepped once per batch: "
+                          f"the batch's device_iterations={iterations} optimizer steps all run at the "
+                          "learning rate it set, so a schedule counted in optimizer steps runs "
+                          f"{iterations} times slower than on the CPU. Count its steps in batches "
+                          "(trainer.estimated_stepping_batches does), or step it in a manual-"
+                          "optimization step, where each optimizer step gets its own rate", stacklevel=3)
         self._gradient_clipping = None
         clip_val = trainer.gradient_clip_val
         if clip_val is not None and clip_val > 0:

@@ -2,6 +2,7 @@
 weights, logged values and loop behaviour. fp32: 1e-5 relative (1e-6 absolute)."""
 
 import logging
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -97,6 +98,22 @@ def test_lr_schedulers_step_and_epoch_intervals_change_the_lr_without_recompilin
     assert sum(r.getMessage().startswith(("compiled the training", "reused the training"))
                for r in caplog.records) == 1
     assert trainer.strategy.training_opts.profiling_dir == str(tmp_path)
+
+
+@pytest.mark.parametrize("interval", ["step", "epoch"])
+def test_a_step_scheduler_stepped_once_per_batch_of_several_optimizer_steps_is_warned_of(interval):
+    ipu, _ = twins(schedulers=(("step", interval),))
+    options = ipu_backend.Options(device_iterations=2)
+    trainer = pl.Trainer(accelerator="ipu", devices=1, strategy=IPUStrategy(training_opts=options),
+                         max_steps=4, log_every_n_steps=2, **QUIET)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(ipu, loader(dataset(16), 4))
+    warned = [str(w.message) for w in caught if "stepped once per batch" in str(w.message)]
+    if interval == "epoch":
+        assert not warned
+    else:
+        assert len(warned) == 1 and "StepLR (interval='step')" in warned[0] and "2 times slower" in warned[0]
 
 
 def test_device_iterations_run_several_optimizer_steps_per_batch_and_count_them():
