@@ -34,13 +34,18 @@ def check_index_inputs(args: tuple, index_inputs: tuple) -> None:
     leaves = torch.utils._pytree.tree_leaves(tuple(args))
     for index_input in index_inputs:
         values = leaves[index_input.position]
-        if index_input.ignored is not None:
-            values = values[values != index_input.ignored]
         if not values.numel():
             continue
-        low, high = int(values.min()), int(values.max())
+        low, high = _bounds(values)           # one pass; the ignored value only looked for if out
         if low >= index_input.low and high < index_input.size:
             continue
+        if index_input.ignored is not None:
+            values = values[values != index_input.ignored]
+            if not values.numel():
+                continue
+            low, high = _bounds(values)
+            if low >= index_input.low and high < index_input.size:
+                continue
         bad = low if low < index_input.low else high
         where = f"the call's input {index_input.position} (in argument order) holds"
         if index_input.kind == "rows":
@@ -55,6 +60,11 @@ def check_index_inputs(args: tuple, index_inputs: tuple) -> None:
         raise IndexOutOfRange(
             f"index {bad} is out of bounds for dimension {index_input.dim} with size {index_input.size}: "
             f"{where} it, as an index at {index_input.location}")
+
+
+def _bounds(values: torch.Tensor) -> tuple[int, int]:
+    low, high = torch.aminmax(values)
+    return int(low), int(high)
 
 
 def inputs_to_device(args: tuple, schedule: Schedule, mesh) -> list:
