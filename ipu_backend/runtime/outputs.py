@@ -37,15 +37,13 @@ def check_index_inputs(args: tuple, index_inputs: tuple) -> None:
         if not values.numel():
             continue
         low, high = _bounds(values)           # one pass; the ignored value only looked for if out
-        if low >= index_input.low and high < index_input.size:
-            continue
-        if index_input.ignored is not None:
+        if (low < index_input.low or high >= index_input.size) and index_input.ignored is not None:
             values = values[values != index_input.ignored]
             if not values.numel():
                 continue
             low, high = _bounds(values)
-            if low >= index_input.low and high < index_input.size:
-                continue
+        if low >= index_input.low and high < index_input.size:
+            continue
         bad = low if low < index_input.low else high
         where = f"the call's input {index_input.position} (in argument order) holds"
         if index_input.kind == "rows":
