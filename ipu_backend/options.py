@@ -401,8 +401,10 @@ class Options(_OptionGroup):
         """Beyond PopTorch: on NVIDIA GPUs, XLA generates Triton kernels for the matrix products
         and times candidates of each while compiling (as ``torch.compile``'s
         ``mode="max-autotune"`` does): products run faster, first calls take many times longer.
-        Off by default: the products are cuBLAS's, as torch eager's are. The numbers are the
-        same within float32 rounding either way; no effect on CPUs."""
+        Off by default: the products are cuBLAS's, as torch eager's are. It also has XLA time
+        cuDNN's algorithms for convolutions, as ``torch.backends.cudnn.benchmark`` (which asks
+        for that alone) does in torch and here: the fastest can be less exact in float32 than
+        the ones cuDNN's heuristics choose by default. No effect on CPUs."""
         self._values["autotune_matmuls"] = _bool(enabled, "autotune_matmuls")
         return self
 

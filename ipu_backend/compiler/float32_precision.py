@@ -63,19 +63,20 @@ _CONVOLUTIONS_COMPILED: set[str] = set()
 """The convolution precisions of the programs compiled in this process (GPU backends)."""
 
 
-def note_compiled(precision: Float32Precision | None) -> None:
+def note_compiled(precision: Float32Precision | None, convolutions_tuned: bool) -> None:
     """Record that a program with ``precision`` (:func:`program_key`'s value) compiles now, and
-    warn when its convolutions are full float32 after a program with TF32 convolutions in this
-    process: XLA's GPU autotuner keeps the algorithms it picked per convolution shape without
-    telling the two apart, so this program may run TF32 convolutions (docs/limitations.md)."""
+    warn when its convolutions are full float32, tuned while compiling (``convolutions_tuned``),
+    after a program with TF32 convolutions in this process: XLA's GPU autotuner keeps the
+    algorithms it picked per convolution shape without telling the two apart, so this program may
+    run TF32 convolutions (docs/limitations.md)."""
     if precision is None:
         return
-    if precision.convolution == "ieee" and "tf32" in _CONVOLUTIONS_COMPILED:
-        warnings.warn("a program with float32 convolutions compiles after one with TF32 convolutions "
+    if precision.convolution == "ieee" and convolutions_tuned and "tf32" in _CONVOLUTIONS_COMPILED:
+        warnings.warn("a program with float32 convolutions tuned while compiling (torch.backends.cudnn."
+                      "benchmark or Options.autotuneMatmuls) compiles after one with TF32 convolutions "
                       "in this process: XLA's GPU autotuner may give it the TF32 algorithms it chose "
                       "for convolutions of the same shape, and its numbers can then differ from torch's "
                       "float32 ones by about 1e-3. Keep one torch.backends.cudnn.allow_tf32 setting per "
-                      "process, or set XLA_FLAGS=--xla_gpu_autotune_level=0 before JAX starts",
+                      "process, or leave convolutions untuned",
                       stacklevel=4)
     _CONVOLUTIONS_COMPILED.add(precision.convolution)
-

@@ -4,6 +4,8 @@ import contextlib
 import contextvars
 import os
 
+import torch
+
 from ipu_backend.compiler.backend import on_cpu, on_gpu
 from ipu_backend.runtime.compile_progress import LOWERING, XLA_COMPILE, phase
 
@@ -18,6 +20,15 @@ GPU_TRITON_GEMM = "xla_gpu_enable_triton_gemm"
 tiling by compiling and timing candidates: most of a transformer's first call on a GPU, for
 products somewhat faster than cuBLAS's (docs/performance.md). Off unless an executor's
 ``Options.autotuneMatmuls`` asks for it or ``XLA_FLAGS`` sets it."""
+
+GPU_AUTOTUNE_LEVEL = "xla_gpu_autotune_level"
+"""XLA's GPU option for how much it tunes kernels while compiling. At its default XLA times
+cuDNN's algorithms for each convolution and keeps the fastest whose output passes a loose check:
+some are far less exact in float32 (the seed CNN's first filter gradient came 6e-4 off torch's
+update, differing between compilations). torch times them only under
+``torch.backends.cudnn.benchmark``; otherwise cuDNN's heuristics choose, which level 0 asks of
+XLA too. So a program with convolutions compiles at level 0 unless that flag is set,
+``Options.autotuneMatmuls`` asks for tuning or ``XLA_FLAGS`` names the option."""
 
 _SOURCE = contextvars.ContextVar("ipu_backend_executable_source", default=None)
 _AUTOTUNE_MATMULS = contextvars.ContextVar("ipu_backend_autotune_matmuls", default=False)
@@ -34,15 +45,35 @@ def matmul_autotuning(enabled: bool):
         _AUTOTUNE_MATMULS.reset(token)
 
 
-def compile_options() -> dict | None:
+def compile_options(has_convolutions: bool = False) -> dict | None:
     """The XLA options a program compiled now gets: :data:`CPU_OPTIONS` on XLA:CPU; on GPUs,
-    :data:`GPU_TRITON_GEMM` off unless autotuning is asked for or ``XLA_FLAGS`` sets it."""
+    unless autotuning is asked for, :data:`GPU_TRITON_GEMM` off and, for a program with
+    convolutions, :data:`GPU_AUTOTUNE_LEVEL` following ``torch.backends.cudnn.benchmark``; an
+    option ``XLA_FLAGS`` names is left to it."""
     if on_cpu():
         return CPU_OPTIONS
-    if (on_gpu() and not _AUTOTUNE_MATMULS.get()
-            and GPU_TRITON_GEMM not in os.environ.get("XLA_FLAGS", "")):
-        return {GPU_TRITON_GEMM: False}
-    return None
+    if not on_gpu() or _AUTOTUNE_MATMULS.get():
+        return None
+    options = {}
+    if GPU_TRITON_GEMM not in os.environ.get("XLA_FLAGS", ""):
+        options[GPU_TRITON_GEMM] = False
+    if has_convolutions and not convolutions_autotuned():
+        options[GPU_AUTOTUNE_LEVEL] = 0
+    return options or None
+
+
+def convolutions_autotuned() -> bool:
+    """Whether XLA times cuDNN's algorithms for the convolutions of GPU programs compiled now
+    (:data:`GPU_AUTOTUNE_LEVEL`): under ``torch.backends.cudnn.benchmark``,
+    ``Options.autotuneMatmuls`` or an ``XLA_FLAGS`` level other than 0."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    named = GPU_AUTOTUNE_LEVEL in flags and f"{GPU_AUTOTUNE_LEVEL}=0" not in flags
+    return bool(torch.backends.cudnn.benchmark) or _AUTOTUNE_MATMULS.get() or named
+
+
+def has_convolutions(lowered) -> bool:
+    """Whether a lowered program holds a convolution (cuDNN's algorithms, chosen while compiling)."""
+    return "stablehlo.convolution" in lowered.as_text()
 
 
 @contextlib.contextmanager
@@ -83,4 +114,4 @@ def compile_now(lowered):
     """``lowered.compile()`` by XLA with :func:`compile_options` (a source of
     :func:`executables_from` may call it for a program it does not hold)."""
     with phase(XLA_COMPILE):
-        return lowered.compile(compile_options())
+        return lowered.compile(compile_options(on_gpu() and has_convolutions(lowered)))

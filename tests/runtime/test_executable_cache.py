@@ -248,6 +248,16 @@ def test_cache_keys_cover_graph_options_and_versions(monkeypatch):
     assert executable_cache.entry_key(program_key()) != base
 
 
+def test_gpu_cache_keys_tell_tuned_convolutions_apart(monkeypatch):
+    """A program whose convolutions XLA timed (torch.backends.cudnn.benchmark) is not the one a
+    process choosing them as torch's heuristics do may load."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    heuristic = executable_cache.environment()
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    assert executable_cache.environment() != heuristic
+
+
 def test_decompositions_are_kept_under_keys_that_cover_versions(monkeypatch, tmp_path):
     """A decomposition (``compiler.decomposition_cache``) is looked up by its graph's key and what
     decomposed it: another torch version reads none of it."""

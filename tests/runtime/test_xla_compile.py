@@ -1,7 +1,9 @@
 """The options the runtime compiles with: on XLA:CPU the device-iterations loop of the MLP bench
 (bench/device_iterations.py) updates its weights in place, with no copy of a weight in the loop's
 body (XLA's default copy insertion copied the output layer's weight at the start of every
-iteration); on GPUs, XLA's Triton matrix products only where ``Options.autotuneMatmuls`` asks."""
+iteration); on GPUs, XLA's Triton matrix products only where ``Options.autotuneMatmuls`` asks, and
+cuDNN's convolution algorithms chosen by its heuristics, as torch's are, unless
+``torch.backends.cudnn.benchmark`` asks for them to be timed."""
 
 import copy
 import re
@@ -57,6 +59,7 @@ def on_a_gpu(monkeypatch):
     monkeypatch.setattr(xla_compile, "on_cpu", lambda: False)
     monkeypatch.setattr(xla_compile, "on_gpu", lambda: True)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
 
 
 def test_cpu_programs_compile_with_the_cpu_options():
@@ -78,11 +81,38 @@ def test_xla_flags_naming_triton_products_are_followed(monkeypatch):
     assert xla_compile.compile_options() is None
 
 
-def test_the_gpu_option_is_one_xla_accepts():
+def test_gpu_programs_with_convolutions_choose_algorithms_as_torch_does(monkeypatch):
+    """XLA's autotuner times cuDNN's algorithms and may keep a less exact one (on an H100 the seed
+    CNN's first filter gradient came 6e-4 off torch's update); torch times them only under
+    ``cudnn.benchmark``."""
+    on_a_gpu(monkeypatch)
+    untuned = {xla_compile.GPU_TRITON_GEMM: False, xla_compile.GPU_AUTOTUNE_LEVEL: 0}
+    assert xla_compile.compile_options(has_convolutions=True) == untuned
+    assert xla_compile.compile_options(has_convolutions=False) == {xla_compile.GPU_TRITON_GEMM: False}
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    assert xla_compile.compile_options(has_convolutions=True) == {xla_compile.GPU_TRITON_GEMM: False}
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    with xla_compile.matmul_autotuning(True):
+        assert xla_compile.compile_options(has_convolutions=True) is None
+    monkeypatch.setenv("XLA_FLAGS", f"--{xla_compile.GPU_AUTOTUNE_LEVEL}=4")
+    assert xla_compile.compile_options(has_convolutions=True) == {xla_compile.GPU_TRITON_GEMM: False}
+    monkeypatch.setenv("XLA_FLAGS", f"--{xla_compile.GPU_AUTOTUNE_LEVEL}=0")
+    assert xla_compile.compile_options(has_convolutions=True) == untuned
+
+
+def test_convolutions_are_found_in_lowered_programs():
+    x = jnp.ones((1, 1, 8, 8))
+    conv = jax.jit(lambda a: jax.lax.conv(a, jnp.ones((2, 1, 3, 3)), (1, 1), "VALID")).lower(x)
+    assert xla_compile.has_convolutions(conv)
+    assert not xla_compile.has_convolutions(jax.jit(lambda a: a @ a).lower(x))
+
+
+def test_the_gpu_options_are_ones_xla_accepts():
     """A misspelt option would fail every GPU compilation: XLA refuses unknown names."""
     x = jnp.arange(16.0).reshape(4, 4)
     lowered = jax.jit(lambda a: a @ a).lower(x)
-    np.testing.assert_array_equal(lowered.compile({xla_compile.GPU_TRITON_GEMM: False})(x), np.asarray(x @ x))
+    options = {xla_compile.GPU_TRITON_GEMM: False, xla_compile.GPU_AUTOTUNE_LEVEL: 0}
+    np.testing.assert_array_equal(lowered.compile(options)(x), np.asarray(x @ x))
     with pytest.raises(jax.errors.JaxRuntimeError, match="No such compile option"):
         lowered.compile({xla_compile.GPU_TRITON_GEMM + "_misspelt": False})
 
@@ -92,7 +122,7 @@ def test_executors_compile_with_their_autotuning_setting_and_torch_numbers(monke
     on_a_gpu(monkeypatch)
     asked = []
     choose = xla_compile.compile_options
-    monkeypatch.setattr(xla_compile, "compile_options", lambda: asked.append(choose()) or asked[-1])
+    monkeypatch.setattr(xla_compile, "compile_options", lambda *a: asked.append(choose(*a)) or asked[-1])
     torch.manual_seed(0)
     model, x, y = Classifier(), torch.randn(32, 64), torch.randint(0, 10, (32,))
     reference = copy.deepcopy(model)
