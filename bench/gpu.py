@@ -18,7 +18,9 @@ Paths: torch eager (data already on the GPU); torch.compile of the model (in a c
 with its own time limit: recorded as skipped when it runs past it); trainingModel at
 deviceIterations 10 and 100 (data fed from host tensors, as a DataLoader would); 4 replicas
 folded on the GPU and a 2-stage BeginBlock pipeline (gradientAccumulation 4) on it; for
-bfloat16, also with attention decomposed rather than cuDNN's flash attention. The first
+bfloat16, also with attention decomposed rather than cuDNN's flash attention; for the seed CNN,
+also with its convolutions' algorithms timed by XLA (``torch.backends.cudnn.benchmark`` set for
+that model alone; torch eager and the reference keep cuDNN's heuristic choice). The first
 trainingModel call (capture and compilation) is timed apart. Fidelity: from the same initial
 weights and batches, the weights after 20 steps (2 calls of deviceIterations 10) against torch
 eager's with the same setting, as the relative error ``|w - w_torch| / |w_torch|`` over all the
@@ -225,8 +227,9 @@ def combined(batches) -> tuple:
 def training_model(work: Workload, setting: str, iterations: int, variant: str, device: str,
                    seconds: float) -> dict:
     """trainingModel at ``iterations`` device iterations (``variant``: "single", "replicas4",
-    "pipeline2" or "decomposed", attention decomposed rather than kept whole): the first call,
-    the rate and, at 10 iterations, the weights after 20 steps against torch eager's."""
+    "pipeline2", "decomposed", attention decomposed rather than kept whole, or "tuned", its
+    convolutions compiled under ``torch.backends.cudnn.benchmark``): the first call, the rate
+    and, at 10 iterations, the weights after 20 steps against torch eager's."""
     import ipu_backend as poptorch
     from ipu_backend.compiler.lowering_options import lowering_options
 
@@ -246,8 +249,10 @@ def training_model(work: Workload, setting: str, iterations: int, variant: str, 
     reference = torch_reference(work, setting, device, batches) if fidelity else None
     trained = poptorch.trainingModel(model, opts, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
     # the capture, at the first call, reads the attention choice
+    benchmark = torch.backends.cudnn.benchmark
     with lowering_options(attention="decomposed" if variant == "decomposed" else "auto"):
         try:
+            torch.backends.cudnn.benchmark = variant == "tuned"
             calls = [combined(batches[i:i + iterations]) for i in range(0, steps, iterations)]
             start = time.perf_counter()
             trained(*calls[0])
@@ -262,6 +267,7 @@ def training_model(work: Workload, setting: str, iterations: int, variant: str, 
             result["rate"] = timed_rate(lambda: trained(*timing[next(index) % 2]),
                                         iterations * work.batch, "cpu", seconds)
         finally:
+            torch.backends.cudnn.benchmark = benchmark
             trained.destroy()
     return result
 
@@ -329,6 +335,7 @@ def plan() -> list[Task]:
     add("cnn", "fp32", "trainingModel D=100", 25)
     add("cnn", "fp32", "trainingModel D=10 2-stage pipeline", 40)
     add("cnn", "fp32", "trainingModel D=10 4 replicas", 25)
+    add("cnn", "fp32", "trainingModel D=10 convolutions tuned", 25)
     add("gpt_mid", "fp32", "torch eager", 10)
     add("gpt_mid", "fp32", "trainingModel D=10", 60)
     add("gpt_mid", "tf32", "torch.compile", 90)
@@ -346,7 +353,7 @@ def plan() -> list[Task]:
 
 
 VARIANTS = {"": "single", "4 replicas": "replicas4", "2-stage pipeline": "pipeline2",
-            "attention decomposed": "decomposed"}
+            "attention decomposed": "decomposed", "convolutions tuned": "tuned"}
 
 
 def timed_seconds(smoke: bool) -> float:

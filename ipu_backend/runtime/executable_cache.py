@@ -93,14 +93,11 @@ def _source_digest() -> str:
 
 
 def environment() -> tuple:
-    """What compiled a program besides its key: source, versions, backend and flags (on GPUs,
-    whether convolutions were tuned: ``xla_compile.convolutions_autotuned``)."""
+    """What compiled a program besides its key: source, versions, backend and flags."""
     devices = jax.devices()
-    backend = jax.default_backend()
     return (_source_digest(), torch.__version__, jax.__version__, jaxlib.__version__, platform.python_version(),
-            backend, devices[0].device_kind, devices[0].client.platform_version, len(devices),
-            os.environ.get("XLA_FLAGS", ""), jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision),
-            backend != "cpu" and xla_compile.convolutions_autotuned())
+            jax.default_backend(), devices[0].device_kind, devices[0].client.platform_version, len(devices),
+            os.environ.get("XLA_FLAGS", ""), jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision))
 
 
 def entry_key(program_key: tuple) -> str | None:

@@ -44,7 +44,7 @@ from ipu_backend.runtime.step import OutputLayout, forward_with_constants, infer
 from ipu_backend.runtime.step import master_copy, training_call
 from ipu_backend.runtime.update_rules import packed_rule, rule_and_loss
 from ipu_backend.runtime.weights import claim_for_training, refuse_second_training_wrapper
-from ipu_backend.runtime.xla_compile import compile_lowered, convolutions_autotuned, executables_from
+from ipu_backend.runtime.xla_compile import compile_lowered, convolutions_autotuned, executables_from, program_settings
 
 
 class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
@@ -391,7 +391,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         structure = None if groups is None else (groups[0],) + tuple(group[0] for group in groups[1:])
         settings = (self._training, self._step_method, self._settings.key, self._gradient_clipping,
                     self._keep_gradients, tuple(self._weight_groupings.items()))
-        return ProgramKey(settings, structure, float32_precision.program_key(), (input_signature(args), keywords))
+        return ProgramKey(settings, structure, program_settings(), (input_signature(args), keywords))
 
     def _compile(self, args: tuple, groups: tuple | None, keywords: tuple = ()) -> tuple[CompiledStep, tuple]:
         """The compiled step for ``args`` and the inputs its call takes: ``args``, and when the
@@ -492,7 +492,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         shared_key = None if program.identity is None else (
             program.identity, self._training, self._step_method, self._settings.key,
             None if rule is None else rule.structure, self._gradient_clipping, self._keep_gradients,
-            float32_precision.program_key(),
+            program_settings(),
             input_signature(micro), keywords, current_options(), tuple(self._weight_groupings.items()))
         shared = None if shared_key is None else program_cache.SHARED.get(shared_key)
         if shared is not None:

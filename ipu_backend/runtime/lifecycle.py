@@ -110,7 +110,7 @@ class ProgramKey(NamedTuple):
 
     settings: tuple
     param_groups: tuple | None
-    float32_precision: object
+    torch_settings: object
     inputs: tuple
 
     def changes(self, other: "ProgramKey") -> str:
@@ -118,7 +118,7 @@ class ProgramKey(NamedTuple):
 
 
 _KEY_PARTS = {"settings": "the executor's settings", "param_groups": "the optimizer's param groups",
-              "float32_precision": "torch's float32 precision settings",
+              "torch_settings": "torch's float32 precision or cudnn.benchmark settings",
               "inputs": "the inputs' shapes, dtypes or other values"}
 """How a recompilation warning names each part of a :class:`ProgramKey`."""
 

@@ -97,7 +97,7 @@ from ipu_backend.runtime.step import (
     replica_keys,
     replica_sum,
 )
-from ipu_backend.runtime.xla_compile import convolutions_autotuned
+from ipu_backend.runtime.xla_compile import convolutions_autotuned, program_settings
 
 _STEP_ATTRIBUTE = "_ipu_manual_training_step"
 
@@ -342,7 +342,7 @@ class ManualStepExecutor(Executor):
     def _compile(self, args: tuple) -> CompiledStep:
         groups = tuple(tuple(tuple((id(p), p.requires_grad) for p in group["params"]) for group in optimizer.param_groups)
                        for optimizer in self._optimizers)     # fine-tuning changes them between calls
-        signature = (float32_precision.program_key(), groups) + input_signature(args)
+        signature = (program_settings(), groups) + input_signature(args)
         compiled = self._compiled.get(signature)
         if compiled is None or self._reads_changed(compiled):
             float32_precision.note_compiled(float32_precision.program_key(), convolutions_autotuned())

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from ipu_backend.compiler import float32_precision
 from ipu_backend.compiler.backend import on_cpu, on_gpu
 from ipu_backend.runtime.compile_progress import LOWERING, XLA_COMPILE, phase
 
@@ -69,6 +70,14 @@ def convolutions_autotuned() -> bool:
     flags = os.environ.get("XLA_FLAGS", "")
     named = GPU_AUTOTUNE_LEVEL in flags and f"{GPU_AUTOTUNE_LEVEL}=0" not in flags
     return bool(torch.backends.cudnn.benchmark) or _AUTOTUNE_MATMULS.get() or named
+
+
+def program_settings() -> tuple | None:
+    """What of the process's settings a program compiled now bakes in, for the caches of compiled
+    programs: nothing on the CPU; on GPUs, torch's float32 precision
+    (``float32_precision.program_key``) and whether convolutions are tuned."""
+    precision = float32_precision.program_key()
+    return None if precision is None else (precision, convolutions_autotuned())
 
 
 def has_convolutions(lowered) -> bool:

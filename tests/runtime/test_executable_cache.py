@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import ipu_backend as poptorch
+from ipu_backend.compiler import float32_precision
+from ipu_backend.compiler.float32_precision import Float32Precision
 from ipu_backend.runtime import executable_cache, lifecycle, program_cache
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -251,11 +253,11 @@ def test_cache_keys_cover_graph_options_and_versions(monkeypatch):
 def test_gpu_cache_keys_tell_tuned_convolutions_apart(monkeypatch):
     """A program whose convolutions XLA timed (torch.backends.cudnn.benchmark) is not the one a
     process choosing them as torch's heuristics do may load."""
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(float32_precision, "program_key", lambda: Float32Precision())   # as on a GPU
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    heuristic = executable_cache.environment()
+    heuristic = executable_cache.entry_key(program_key())
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
-    assert executable_cache.environment() != heuristic
+    assert executable_cache.entry_key(program_key()) != heuristic
 
 
 def test_decompositions_are_kept_under_keys_that_cover_versions(monkeypatch, tmp_path):

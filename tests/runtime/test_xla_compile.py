@@ -139,3 +139,19 @@ def test_executors_compile_with_their_autotuning_setting_and_torch_numbers(monke
     torch.testing.assert_close(loss, expected_loss.detach(), rtol=1e-5, atol=1e-6)
     for ours, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_turning_cudnn_benchmark_on_compiles_the_program_again(monkeypatch):
+    """On GPUs a program compiled with heuristic convolution algorithms is not run for a call
+    that asks for tuned ones, nor the other way round."""
+    from ipu_backend.compiler import float32_precision
+    monkeypatch.setattr(float32_precision, "program_key", lambda: float32_precision.Float32Precision())
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    torch.manual_seed(0)
+    model, x, y = Classifier(), torch.randn(32, 64), torch.randint(0, 10, (32,))
+    inference = poptorch.inferenceModel(model, poptorch.Options().enableExecutableCaching(None))
+    inference(x, y)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    with pytest.warns(UserWarning, match="cudnn.benchmark settings changed since the last call: compiling again"):
+        inference(x, y)
+    assert len(inference._compiled) == 2
