@@ -25,8 +25,8 @@ products somewhat faster than cuBLAS's (docs/performance.md). Off unless an exec
 GPU_AUTOTUNE_LEVEL = "xla_gpu_autotune_level"
 """XLA's GPU option for how much it tunes kernels while compiling. At its default XLA times
 cuDNN's algorithms for each convolution and keeps the fastest whose output passes a loose check:
-some are far less exact in float32 (the seed CNN's first filter gradient came 6e-4 off torch's
-update, differing between compilations). torch times them only under
+some are far less exact in float32, and which one wins differs between compilations
+(docs/performance.md, GPU). torch times them only under
 ``torch.backends.cudnn.benchmark``; otherwise cuDNN's heuristics choose, which level 0 asks of
 XLA too. So a program with convolutions compiles at level 0 unless that flag is set,
 ``Options.autotuneMatmuls`` asks for tuning or ``XLA_FLAGS`` names the option."""
