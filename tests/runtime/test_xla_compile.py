@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import ipu_backend as poptorch
+from ipu_backend.compiler import float32_precision
 from ipu_backend.runtime import xla_compile
 
 
@@ -144,7 +145,6 @@ def test_executors_compile_with_their_autotuning_setting_and_torch_numbers(monke
 def test_turning_cudnn_benchmark_on_compiles_the_program_again(monkeypatch):
     """On GPUs a program compiled with heuristic convolution algorithms is not run for a call
     that asks for tuned ones, nor the other way round."""
-    from ipu_backend.compiler import float32_precision
     monkeypatch.setattr(float32_precision, "program_key", lambda: float32_precision.Float32Precision())
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     torch.manual_seed(0)
