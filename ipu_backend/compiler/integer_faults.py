@@ -4,9 +4,14 @@ by zero and an index outside its dimension (which torch refuses), each made whil
 runs (``runtime_checks``).
 
 An int64 result is checked against the same operation in float32: where the int32 result is
-right it lies within a few hundred of the float one, where it wrapped it lies at least 2**31
-away (for any result below 2**55; above, the float result itself is beyond int32).
+right it lies within a few hundred of the float one, where it wrapped it lies at least 2**32
+from torch's and so at least 2**31 from the float one (for any result below 2**55; above, the
+float result itself is beyond int32). A matrix product or a scatter sums many terms, whose
+rounding in float32 is bounded by the same sum of their magnitudes: it is checked with that
+bound added, so that a result too close to tell also raises.
 """
+
+import math
 
 import jax.numpy as jnp
 import torch
@@ -14,6 +19,7 @@ import torch
 from ipu_backend.compiler.dtypes import INT32_MAX, INT32_MIN
 from ipu_backend.compiler import index_bounds
 from ipu_backend.compiler.integer_ranges import CONVERSION, DIVISION, INDEX, OVERFLOW
+from ipu_backend.compiler.lowerings import views
 from ipu_backend.compiler.runtime_checks import report
 from ipu_backend.errors import Error
 
@@ -53,6 +59,7 @@ _IN_FLOAT32 = {
     aten.cumprod.default: lambda a, dim, dtype=None: jnp.cumprod(_float(a), axis=dim % max(jnp.ndim(a), 1)),
     aten.__lshift__.Scalar: lambda a, b: _float(a) * 2.0 ** _float(b),
     aten.__lshift__.Tensor: lambda a, b: _float(a) * 2.0 ** _float(b),
+    aten.bitwise_left_shift.Tensor: lambda a, b: _float(a) * 2.0 ** _float(b),
     aten.pow.Tensor_Scalar: lambda a, b: _float(a) ** _float(b),
     aten.pow.Tensor_Tensor: lambda a, b: _float(a) ** _float(b),
     aten.pow.Scalar: lambda a, b: _float(a) ** _float(b),
@@ -60,12 +67,85 @@ _IN_FLOAT32 = {
 """Each operation of ``integer_ranges.ARITHMETIC``, computed in float32."""
 
 
+def _product(x, y):
+    return x @ y
+
+
+def _added_product(product):
+    def added(bias, x, y, beta=1, alpha=1):
+        return beta * bias + alpha * product(x, y)
+    return added
+
+
+def _scatter(x, dim, index, src, reduce="add"):
+    return views.scatter_reduced(x, views.scatter_updates(src, index, jnp.float32),
+                                 views.scatter_positions(index, dim),
+                                 "prod" if reduce == "multiply" else "sum", True)
+
+
+def _scatter_reduce(x, dim, index, src, reduce, include_self=True):
+    return views.scatter_reduced(x, views.scatter_updates(src, index, jnp.float32),
+                                 views.scatter_positions(index, dim),
+                                 "sum" if reduce == "mean" else reduce, include_self)
+
+
+def _index_put(x, indices, values, accumulate=False):
+    return views.put_values(x, indices, values, accumulate, location=str)
+
+
+def _index_count(x, indices, *rest) -> int:
+    return math.prod(jnp.broadcast_shapes(*(i.shape for i in indices if i is not None)))
+
+
+_ADDED = (0, 1, 2, 3, 4)
+"""An added product's values: bias, factors, beta and alpha."""
+_SUMS_IN_FLOAT32 = {
+    aten.mm.default: (_product, (0, 1), lambda x, y: x.shape[-1]),
+    aten.bmm.default: (_product, (0, 1), lambda x, y: x.shape[-1]),
+    aten.addmm.default: (_added_product(_product), _ADDED, lambda bias, x, *rest: x.shape[-1] + 1),
+    aten.addmv.default: (_added_product(_product), _ADDED, lambda bias, x, *rest: x.shape[-1] + 1),
+    aten.addbmm.default: (_added_product(lambda x, y: jnp.einsum("bij,bjk->ik", x, y)), _ADDED,
+                          lambda bias, x, *rest: x.shape[0] * x.shape[-1] + 1),
+    aten.scatter_add.default: (_scatter, (0, 3), lambda x, dim, index, *rest: index.size + 1),
+    aten.scatter.reduce: (_scatter, (0, 3), lambda x, dim, index, *rest: index.size + 1),
+    aten.scatter.value_reduce: (_scatter, (0, 3), lambda x, dim, index, *rest: index.size + 1),
+    aten.scatter_reduce.two: (_scatter_reduce, (0, 3), lambda x, dim, index, *rest: index.size + 1),
+    aten.index_put.default: (_index_put, (0, 2), lambda *args: _index_count(*args) + 1),
+}
+"""Each operation of ``integer_ranges.SUMS``: computed in float32, which of its arguments are
+the values it sums (the rest are indices and settings), and at most how many terms it adds
+into one element."""
+
+
+def _sum_error(node, args, kwargs, result):
+    """How far a summing operation's int32 value lies from its float32 estimate, plus the bound
+    on that estimate's rounding. A mean scatter floor-divides a sum: its sum is what is checked."""
+    compute, operands, count_terms = _SUMS_IN_FLOAT32[node.target]
+    floats, magnitudes = list(args), list(args)
+    for position in operands[:len(args)]:
+        floats[position] = _float(args[position])
+        magnitudes[position] = abs(floats[position])
+    estimate = compute(*floats, **kwargs)
+    absolute = {key: abs(value) if key in ("beta", "alpha") else value for key, value in kwargs.items()}
+    bound = count_terms(*args) * 2.0 ** -23 * compute(*magnitudes, **absolute)
+    if node.target is aten.scatter_reduce.two:
+        named = dict(zip(("x", "dim", "index", "src", "reduce", "include_self"), args), **kwargs)
+        if named["reduce"] == "mean":
+            result = views.scatter_reduced(
+                named["x"], views.scatter_updates(named["src"], named["index"], named["x"].dtype),
+                views.scatter_positions(named["index"], named["dim"]), "sum", named.get("include_self", True))
+    return jnp.abs(jnp.asarray(result, jnp.float32) - estimate) + bound
+
+
 def check(kind: str, node: torch.fx.Node, location: str, args, kwargs, result) -> None:
     """Add to the program being traced the check ``kind`` of ``node``'s ``result``."""
     where = f"{node.target} at {location}"
     if kind == OVERFLOW:
-        exact = _IN_FLOAT32[node.target](*args, **kwargs)
-        report(jnp.any(~(jnp.abs(jnp.asarray(result, jnp.float32) - exact) < 2.0 ** 31)),
+        if node.target in _SUMS_IN_FLOAT32:
+            error = _sum_error(node, args, kwargs, result)
+        else:
+            error = jnp.abs(jnp.asarray(result, jnp.float32) - _IN_FLOAT32[node.target](*args, **kwargs))
+        report(jnp.any(~(error < 2.0 ** 31)),
                f"int64 overflow: {where} computed a value outside {_RANGE}: it wrapped, where torch's "
                "would not. Keep integer arithmetic within that range (reduce values, e.g. with a modulo, "
                "before they grow), or compute in floating point")

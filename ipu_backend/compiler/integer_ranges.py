@@ -46,10 +46,16 @@ ARITHMETIC = frozenset({
     aten.rsub.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.neg.default, aten.abs.default,
     aten.sum.default, aten.sum.dim_IntList, aten.cumsum.default, aten.prod.default,
     aten.prod.dim_int, aten.cumprod.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor,
-    aten.pow.Scalar, aten.__lshift__.Scalar, aten.__lshift__.Tensor,
+    aten.pow.Scalar, aten.__lshift__.Scalar, aten.__lshift__.Tensor, aten.bitwise_left_shift.Tensor,
 })
-"""Int64 operations whose result may grow past their operands' range: the ones checked for
-overflow. (Integer products of matrices and scatter-adds are not among them.)"""
+"""Int64 elementwise operations and reductions whose result may grow past their operands' range."""
+_MATRIX_PRODUCTS = frozenset({aten.mm.default, aten.bmm.default, aten.addmm.default,
+                              aten.addmv.default, aten.addbmm.default})
+SUMS = _MATRIX_PRODUCTS | {aten.scatter_add.default, aten.scatter.reduce, aten.scatter.value_reduce,
+                           aten.scatter_reduce.two, aten.index_put.default}
+"""Int64 matrix products and scatters, whose results sum (or multiply) many terms."""
+CHECKED_FOR_OVERFLOW = ARITHMETIC | SUMS
+"""The int64 operations checked for overflow where their result may leave int32."""
 _DIVISIONS = frozenset({aten.div.Tensor_mode, aten.div.Scalar_mode, aten.remainder.Tensor,
                         aten.remainder.Scalar, aten.remainder.Scalar_Tensor, aten.fmod.Tensor,
                         aten.fmod.Scalar, aten.floor_divide.default})
@@ -87,7 +93,7 @@ def checks(graph_module: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
             interval = INT32
         elif interval is None:
             interval = INT32
-        elif node.target in ARITHMETIC and not (INT32_MIN <= interval[0] and interval[1] <= INT32_MAX):
+        elif node.target in CHECKED_FOR_OVERFLOW and not (INT32_MIN <= interval[0] and interval[1] <= INT32_MAX):
             found[node] = OVERFLOW
             interval = INT32
         intervals[node] = interval
@@ -161,6 +167,10 @@ def _rule(node, intervals):
         dim = args[1] if len(args) > 1 else None
         count = source.numel() if dim is None or source.dim() == 0 else source.shape[dim]
         return (0, max(count - 1, 0))
+    if target in _MATRIX_PRODUCTS:
+        return _matrix_product(node, intervals)
+    if target in SUMS:
+        return _scattered(node, intervals)
     if target is aten.where.self:
         return _span(*_interval(args[1], intervals), *_interval(args[2], intervals))
     if target in (aten.cat.default, aten.stack.default):
@@ -191,7 +201,7 @@ def _rule(node, intervals):
     if target is aten.cumsum.default:
         count = node.meta["val"].shape[args[1]] if node.meta["val"].dim() else 1
         return (min(a[0], count * a[0]), max(a[1], count * a[1]))
-    if target in (aten.__lshift__.Scalar, aten.__lshift__.Tensor):
+    if target in (aten.__lshift__.Scalar, aten.__lshift__.Tensor, aten.bitwise_left_shift.Tensor):
         shift = _interval(args[1], intervals)
         if shift[0] < 0 or shift[1] >= 64:
             return _UNBOUNDED
@@ -210,6 +220,53 @@ def _rule(node, intervals):
         largest = max(abs(a[0]), abs(a[1]))
         return (-largest ** power, largest ** power) if largest < 2 or power < 64 else _UNBOUNDED
     return None
+
+
+def _argument(node, position: int, name: str, default):
+    return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
+
+
+def _matrix_product(node, intervals):
+    """``terms`` products of the factors summed, plus ``beta`` times the bias in the add forms."""
+    adds = node.target not in (aten.mm.default, aten.bmm.default)
+    x, y = node.args[int(adds)], node.args[int(adds) + 1]
+    shape = x.meta["val"].shape
+    terms = shape[-1] * (shape[0] if node.target is aten.addbmm.default else 1)
+    a, b = _interval(x, intervals), _interval(y, intervals)
+    product = _span(a[0] * b[0], a[0] * b[1], a[1] * b[0], a[1] * b[1])
+    total = (terms * min(product[0], 0), terms * max(product[1], 0))
+    if not adds:
+        return total
+    beta, alpha = _argument(node, 3, "beta", 1), _argument(node, 4, "alpha", 1)
+    if not (isinstance(beta, int) and isinstance(alpha, int)):
+        return _UNBOUNDED
+    bias, scaled = _interval(node.args[0], intervals), _span(alpha * total[0], alpha * total[1])
+    bias = _span(beta * bias[0], beta * bias[1])
+    return (bias[0] + scaled[0], bias[1] + scaled[1])
+
+
+def _scattered(node, intervals):
+    """A scatter's result: ``x``'s elements, each with up to ``terms`` values added (or
+    multiplied) in; an ``index_put`` without ``accumulate`` only writes values."""
+    target = node.target
+    x = _interval(node.args[0], intervals)
+    if target is aten.index_put.default:
+        values = _interval(node.args[2], intervals)
+        if not _argument(node, 3, "accumulate", False):
+            return _span(*x, *values)
+        shapes = [index.meta["val"].shape for index in node.args[1] if index is not None]
+        terms, reduce = math.prod(torch.broadcast_shapes(*shapes)) if shapes else 1, "sum"
+    else:
+        values = _interval(node.args[3], intervals)
+        terms = node.args[2].meta["val"].numel()
+        reduce = "sum" if target is aten.scatter_add.default else _argument(node, 4, "reduce", None)
+        reduce = {"add": "sum", "multiply": "prod"}.get(reduce, reduce)
+    if reduce in ("sum", "mean"):
+        return (min(x[0], 0) + terms * min(values[0], 0), max(x[1], 0) + terms * max(values[1], 0))
+    if reduce == "prod":
+        largest = max(abs(x[0]), abs(x[1]), abs(values[0]), abs(values[1]))
+        return (-largest ** (terms + 1), largest ** (terms + 1)) if largest < 2 or terms < 64 else _UNBOUNDED
+    return _span(*x, *values)
 
 
 def _arange(node):

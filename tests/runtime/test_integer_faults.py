@@ -153,6 +153,7 @@ def test_operations_whose_values_stay_within_int32_are_not_checked():
 
 def test_every_operation_checked_for_overflow_has_a_float_check():
     assert integer_ranges.ARITHMETIC == set(integer_faults._IN_FLOAT32)
+    assert integer_ranges.SUMS == set(integer_faults._SUMS_IN_FLOAT32)
 
 
 class TwoStageHashing(nn.Module):
@@ -204,3 +205,86 @@ def test_a_check_in_a_branch_counts_only_where_the_branch_is_taken():
         torch.testing.assert_close(executor(*inputs), DividesInOneBranch()(*inputs), rtol=0, atol=0)
     with pytest.raises(poptorch.Error, match="integer division by zero"):
         executor(torch.tensor([4, 6]), torch.tensor([0, 3]))
+
+
+class IntegerSums(nn.Module):
+    """Int64 matrix products and scatters: each adds many terms into one element."""
+
+    def forward(self, a, b, index, mask):
+        matrix = a @ b
+        batched = a.unsqueeze(0) @ b.unsqueeze(0)
+        added = torch.addmm(b[:1, :1], a, b, beta=-1, alpha=-1)
+        vector = torch.addmv(b[0, :3], a, b[:, 0])
+        batch_sum = torch.addbmm(b[:3, :3], a.unsqueeze(0), b.unsqueeze(0))
+        scattered = torch.zeros(3, dtype=torch.long).scatter_add(0, index, a[0])
+        indexed = torch.ones(3, dtype=torch.long).index_add(0, index, a[1])
+        masked = a[2].clone()
+        masked.index_put_((mask,), b[0, :1], accumulate=True)
+        means = torch.zeros(3, dtype=torch.long).scatter_reduce(0, index, a[0], "mean", include_self=False)
+        products = torch.ones(3, dtype=torch.long).scatter_reduce(0, index, a[1], "prod")
+        shifted = torch.bitwise_left_shift(a[0], index)
+        return matrix, batched, added, vector, batch_sum, scattered, indexed, masked, means, products, shifted
+
+
+SUMS_SAFE = dict(a=[[3, -4, 5], [6, 2, -1], [7, 8, -9]], b=[[1, 2, -3], [4, -5, 6], [-7, 8, 9]],
+                 index=[0, 2, 2], mask=[True, False, True])
+BIG = 2**30 + 2**29
+SUMS_FAULTS = [
+    ("matrix = a @ b", dict(a=[[BIG, BIG, 0], [1, 1, 1], [1, 1, 1]], b=[[1, 1, 1], [1, 1, 1], [1, 1, 1]])),
+    ("batched = a.unsqueeze(0) @ b.unsqueeze(0)", dict(a=[[1, 1, 1], [1, 1, 1], [1, 1, 1]],
+                                                      b=[[1, 1, 1], [1, 1, 1], [1, 1, 2**31 - 1]])),
+    ("added = torch.addmm(", dict(b=[[-BIG, 1, 1], [1, 1, 1], [1, 1, 1]])),
+    ("scattered = torch.zeros(3, dtype=torch.long).scatter_add(0, index, a[0])",
+     dict(a=[[1, BIG, BIG], [1, 1, 1], [1, 1, 1]])),
+    ("indexed = torch.ones(3, dtype=torch.long).index_add(0, index, a[1])",
+     dict(a=[[1, 1, 1], [1, 2**30, 2**30 - 1], [1, 1, 1]])),
+    ("masked.index_put_((mask,), b[0, :1], accumulate=True)", dict(a=[[1, 1, 1], [1, 1, 1], [2**31 - 1, 1, 1]])),
+    # torch's mean fits; the sum it divides does not
+    ("means = torch.zeros(3, dtype=torch.long).scatter_reduce(", dict(a=[[1, BIG, BIG], [1, 1, 1], [1, 1, 1]])),
+    ("products = torch.ones(3, dtype=torch.long).scatter_reduce(", dict(a=[[1, 1, 1], [1, 2**16, 2**15], [1, 1, 1]])),
+    ("shifted = torch.bitwise_left_shift(a[0], index)", dict(a=[[1, 2**29, 1], [1, 1, 1], [1, 1, 1]])),
+]
+
+
+def _sums_inputs(values):
+    values = {**SUMS_SAFE, **values}
+    return (torch.tensor(values["a"]), torch.tensor(values["b"]), torch.tensor(values["index"]),
+            torch.tensor(values["mask"]))
+
+
+@pytest.fixture(scope="module")
+def integer_sums():
+    return poptorch.inferenceModel(IntegerSums())
+
+
+@pytest.mark.parametrize("values", [SUMS_SAFE, dict(
+    a=[[2**30, 2**30 - 1, 1], [-2**30, 2**30 - 1, 1], [2**31 - 2, 0, 0]],
+    b=[[1, 0, 0], [-1, 0, 0], [0, 0, 0]], index=[0, 1, 1])], ids=["small", "large terms, sums at the ends"])
+def test_integer_sums_within_int32_are_torchs(integer_sums, values):
+    """Every result that fits is torch's, also where terms near 2**30 cancel and where sums
+    reach the ends of int32."""
+    inputs = _sums_inputs(values)
+    for ours, torchs in zip(integer_sums(*inputs), IntegerSums()(*inputs)):
+        assert ours.dtype == torchs.dtype
+        torch.testing.assert_close(ours, torchs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("line,values", SUMS_FAULTS, ids=[line for line, _ in SUMS_FAULTS])
+def test_integer_sums_torch_would_not_give_raise_naming_the_line(integer_sums, line, values):
+    inputs = _sums_inputs(values)
+    torchs = IntegerSums()(*inputs)
+    assert any(((t > HIGH) | (t < LOW)).any() for t in torchs)      # torch's result leaves int32
+    with pytest.raises(poptorch.Error, match=f"int64 overflow: [^\n]*test_integer_faults.py:[0-9]+: +{re.escape(line)}"):
+        integer_sums(*inputs)
+
+
+def test_scatters_of_counts_are_not_checked():
+    """A count by scatter_add of ones into zeros stays within its number of terms."""
+    class Counts(nn.Module):
+        def forward(self, labels):
+            return torch.zeros(5, dtype=torch.long).scatter_add(0, labels, torch.ones_like(labels))
+
+    labels = torch.tensor([0, 3, 3, 4])
+    captured = program.compile_module(Counts(), (labels,))
+    assert integer_ranges.checks(captured.graph_module) == {}
+    torch.testing.assert_close(poptorch.inferenceModel(Counts())(labels), Counts()(labels), rtol=0, atol=0)

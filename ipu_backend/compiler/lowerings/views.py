@@ -222,21 +222,26 @@ def index(ctx, x, indices):
 
 @lowering(aten.index_put.default)
 def index_put(ctx, x, indices, values, accumulate=False):
-    """``x[indices] = values`` (or ``+=`` with accumulate, where duplicate indices sum)."""
+    return put_values(x, indices, values, accumulate, ctx.location)
+
+
+def put_values(x, indices, values, accumulate: bool, location):
+    """``x[indices] = values`` (or ``+=`` with accumulate, where duplicate indices sum);
+    ``location()`` names the source line in an error."""
     values = values.astype(x.dtype)
     if any(_is_mask(i) for i in indices):
-        return _masked_put(ctx, x, indices, values, accumulate)
+        return _masked_put(location, x, indices, values, accumulate)
     target = x.at[_integer_index(indices)]
     return target.add(values) if accumulate else target.set(values)
 
 
-def _masked_put(ctx, x, indices, values, accumulate):
+def _masked_put(location, x, indices, values, accumulate):
     """``x[..., mask, ...] = values`` without a data-dependent shape: the k-th True position
     of the mask (row-major) takes ``values``' k-th row along the masked dim, or its only row
     when that dim broadcasts."""
     masks = [i for i in indices if _is_mask(i)]
     if len(masks) > 1 or any(i is not None and not _is_mask(i) for i in indices):
-        raise Error(f"x[index] = value at {ctx.location()} combines a boolean mask with other "
+        raise Error(f"x[index] = value at {location()} combines a boolean mask with other "
                     "index tensors; use one mask (combine masks with &), or torch.where")
     mask = masks[0].astype(bool)
     before = next(p for p, i in enumerate(indices) if i is not None)
@@ -300,7 +305,7 @@ def repeat_interleave(ctx, repeats, output_size=None):
 
 # --- gather and scatter along a dim ------------------------------------------------------------
 
-def _positions(index, dim: int) -> tuple:
+def scatter_positions(index, dim: int) -> tuple:
     """Where gather reads and scatter writes: for each element of ``index``, its own position
     with the coordinate along ``dim`` replaced by its value."""
     dim = _dim(dim, index.ndim)
@@ -308,7 +313,7 @@ def _positions(index, dim: int) -> tuple:
                  for d in range(index.ndim))
 
 
-def _updates(src, index, dtype):
+def scatter_updates(src, index, dtype):
     """The part of ``src`` a scatter uses (``src`` may be larger than ``index``), or a scalar."""
     if isinstance(src, jnp.ndarray):
         return src[tuple(slice(0, n) for n in index.shape)].astype(dtype)
@@ -326,7 +331,7 @@ def gather(ctx, x, dim, index, sparse_grad=False):
         dim = _dim(dim, x.ndim)
         if x.shape[dim] * index.shape[dim] <= COMPARISON_GATHER_LIMIT:
             return _gather_by_comparison(x, dim, index)
-    return x[_positions(index, dim)]
+    return x[scatter_positions(index, dim)]
 
 
 def _gather_by_comparison(x, dim: int, index):
@@ -345,19 +350,19 @@ def _gather_by_comparison(x, dim: int, index):
 
 @lowering(aten.scatter.src, aten.scatter.value)
 def scatter(ctx, x, dim, index, src):
-    return x.at[_positions(index, dim)].set(_updates(src, index, x.dtype))
+    return x.at[scatter_positions(index, dim)].set(scatter_updates(src, index, x.dtype))
 
 
 @lowering(aten.scatter_add.default)
 def scatter_add(ctx, x, dim, index, src):
-    return x.at[_positions(index, dim)].add(_updates(src, index, x.dtype))
+    return x.at[scatter_positions(index, dim)].add(scatter_updates(src, index, x.dtype))
 
 
 @lowering(aten.scatter.reduce, aten.scatter.value_reduce)
 def scatter_with_reduce(ctx, x, dim, index, src, reduce):
     """The deprecated ``scatter(..., reduce="add"|"multiply")`` (torch has no gradient for it)."""
-    target = x.at[_positions(index, dim)]
-    updates = _updates(src, index, x.dtype)
+    target = x.at[scatter_positions(index, dim)]
+    updates = scatter_updates(src, index, x.dtype)
     return target.add(updates) if reduce == "add" else target.multiply(updates)
 
 
@@ -371,7 +376,7 @@ def _reduce_identity(reduce: str, dtype):
     return jnp.asarray(extreme[0] if jnp.issubdtype(dtype, jnp.inexact) else extreme[1], dtype)
 
 
-def _scatter_reduced(x, src, positions, reduce, include_self):
+def scatter_reduced(x, src, positions, reduce, include_self):
     """scatter_reduce's value (no gradient rule of its own for prod/amax/amin)."""
     if not include_self:
         x = x.at[positions].set(_reduce_identity(reduce, x.dtype))
@@ -382,18 +387,18 @@ def _scatter_reduced(x, src, positions, reduce, include_self):
 
 @lowering(aten.scatter_reduce.two)
 def scatter_reduce(ctx, x, dim, index, src, reduce, include_self=True):
-    positions = _positions(index, dim)
-    src = _updates(src, index, x.dtype)
+    positions = scatter_positions(index, dim)
+    src = scatter_updates(src, index, x.dtype)
     if reduce == "mean":
         return _scatter_mean(x, src, positions, include_self)
     if reduce in ("prod", "amax", "amin") and _is_float(x):
         return _scatter_with_torch_gradient(x, src, positions, reduce, include_self)
-    return _scatter_reduced(x, src, positions, reduce, include_self)
+    return scatter_reduced(x, src, positions, reduce, include_self)
 
 
 def _scatter_mean(x, src, positions, include_self):
     """Sum over the contributions over their count; integers floor-divide, as torch."""
-    total = _scatter_reduced(x, src, positions, "sum", include_self)
+    total = scatter_reduced(x, src, positions, "sum", include_self)
     count = jnp.full(x.shape, int(include_self), x.dtype).at[positions].add(jnp.ones((), x.dtype))
     count = jnp.maximum(count, jnp.ones((), x.dtype))
     return total / count if _is_float(x) else jnp.floor_divide(total, count)
@@ -407,7 +412,7 @@ def _scatter_with_torch_gradient(x, src, positions, reduce, include_self):
 
     @jax.custom_jvp
     def reduced(x, src):
-        return _scatter_reduced(x, src, positions, reduce, include_self)
+        return scatter_reduced(x, src, positions, reduce, include_self)
 
     @reduced.defjvp
     def reduced_jvp(primals, tangents):
@@ -434,11 +439,11 @@ def _prod_weights(x, src, result, positions, include_self):
     """Products of the other contributions, dividing out nonzero ones and recomputing the
     product without a zero where there is exactly one (torch's formula)."""
     nonzero_self = jnp.where(x == 0, 1, x)
-    weight_self = _scatter_reduced(nonzero_self, src, positions, "prod", include_self) / nonzero_self
+    weight_self = scatter_reduced(nonzero_self, src, positions, "prod", include_self) / nonzero_self
     src_zero = src == 0
     zeros_at_target = jnp.zeros(x.shape, jnp.int32).at[positions].add(src_zero.astype(jnp.int32))
     single_zero = src_zero & (zeros_at_target[positions] == 1)
-    without_zero = _scatter_reduced(x, jnp.where(single_zero, 1, src), positions, "prod", include_self)
+    without_zero = scatter_reduced(x, jnp.where(single_zero, 1, src), positions, "prod", include_self)
     weight_src = jnp.where(single_zero, without_zero[positions],
                            result[positions] / jnp.where(src_zero, 1, src))
     return weight_self, weight_src
