@@ -13,6 +13,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from ipu_backend.compiler import (
     capture,
     decomposition_cache,
+    global_reads,
     identity,
     index_bounds,
     interpreter,
@@ -22,6 +23,7 @@ from ipu_backend.compiler import (
     repeated_layers,
 )
 from ipu_backend.compiler.dtypes import to_jax
+from ipu_backend.compiler.global_reads import NameRead
 from ipu_backend.compiler.python_reads import Read
 from ipu_backend.compiler.sources import user_location
 from ipu_backend.errors import Error
@@ -119,9 +121,10 @@ class Program:
     """Other names of tied parameters and buffers -> the name the program reads them under."""
     keywords: tuple[str, ...] = ()
     """The names under which the last inputs are passed by keyword."""
-    python_reads: tuple[Read, ...] = ()
-    """The plain Python attributes of the module that the capture read, and their values: the
-    program is what the module computes only while they keep them (``python_reads.changed``)."""
+    python_reads: tuple[Read | NameRead, ...] = ()
+    """The plain Python attributes of the module that the capture read, and the globals and
+    closure variables its code can read (``global_reads``), with their values: the program is
+    what the module computes only while they keep them (``python_reads.changed``)."""
     identity: str | None = None
     """What the program computes, as a digest (:mod:`~ipu_backend.compiler.identity`): equal for
     captures that lower to the same function, None when some value in it has no stable
@@ -215,6 +218,7 @@ def compile_module(module: torch.nn.Module, example_args: tuple, method: str | N
     runs = repeated_layers.repeated_runs(module) if loop_repeated_layers else []
     start = time.time()
     args, kwargs = split_keywords(tuple(example_args), keywords)
+    names = global_reads.reads(module, method)
     try:
         with python_reads.recorded(module) as reads:
             exported, templates = _capture(target, args, kwargs, runs)
@@ -237,7 +241,7 @@ def compile_module(module: torch.nn.Module, example_args: tuple, method: str | N
     else:
         program = _build(module, exported, "module.", tuple(target.recorder.calls), keywords)
     guards = () if method is None else tuple(target.taken.guards)
-    return replace(program, python_reads=tuple(reads), guards=guards,
+    return replace(program, python_reads=tuple(reads) + names, guards=guards,
                    host_input=host_input if guards else None)
 
 

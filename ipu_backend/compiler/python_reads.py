@@ -24,7 +24,8 @@ from ipu_backend.compiler import metric_states
 
 _PLAIN = (bool, int, float, str, type(None))
 _NOT_GUARDED = frozenset({"training"})
-_MISSING = object()
+MISSING = object()
+"""What a read's ``current()`` gives where its attribute, module or variable is gone."""
 
 
 @dataclass(frozen=True)
@@ -37,21 +38,26 @@ class Read:
     value: object
 
     def current(self):
-        """The attribute's value now (``_MISSING`` if it, or its module, is gone)."""
+        """The attribute's value now (``MISSING`` if it, or its module, is gone)."""
         module = self.module()
-        return _MISSING if module is None else module.__dict__.get(self.name, _MISSING)
+        return MISSING if module is None else module.__dict__.get(self.name, MISSING)
 
     def holds(self, value) -> bool:
-        """Whether ``value`` gives the program this read captured (``None`` only ``None``)."""
-        if value is _MISSING:
-            return False
-        if self.value is None:
-            return value is None
-        return _same(snapshot(value), self.value)
+        return holds(self.value, value)
 
     @property
     def attribute(self) -> str:
         return f"{self.path}.{self.name}" if self.path else self.name
+
+
+def holds(captured, value) -> bool:
+    """Whether ``value`` gives the program that a read of ``captured`` (a :func:`snapshot`) gave
+    (``None`` only ``None``)."""
+    if value is MISSING:
+        return False
+    if captured is None:
+        return value is None
+    return _same(snapshot(value), captured)
 
 
 def snapshot(value):
@@ -98,7 +104,7 @@ def changed(reads: tuple[Read, ...]) -> list[tuple[Read, object]]:
     for read in reads:
         value = read.current()
         if not read.holds(value):
-            found.append((read, None if value is _MISSING else value))
+            found.append((read, None if value is MISSING else value))
     return found
 
 
@@ -116,7 +122,7 @@ def _tracking_class(cls: type) -> type:
             value = object.__getattribute__(self, name)
             notes = _NOTES.get(id(self))
             if notes is not None and name not in notes and name not in _NOT_GUARDED:
-                if object.__getattribute__(self, "__dict__").get(name, _MISSING) is value:
+                if object.__getattribute__(self, "__dict__").get(name, MISSING) is value:
                     frozen = snapshot(value)
                     if frozen is not None or value is None:
                         notes[name] = frozen
@@ -133,7 +139,7 @@ def every_attribute(module: torch.nn.Module) -> tuple[Read, ...]:
     capture whose reads could not be noted (torch traces ``torch.cond`` branches with its
     compiler, which cannot run the noting classes)."""
     return tuple(Read(weakref.ref(m), path, name, frozen)
-                 for path, m in _guarded_modules(module)
+                 for path, m in guarded_modules(module)
                  for name, value in m.__dict__.items()
                  if name not in _NOT_GUARDED and ((frozen := snapshot(value)) is not None or value is None))
 
@@ -142,10 +148,10 @@ def modes(module: torch.nn.Module) -> tuple[Read, ...]:
     """A :class:`Read` of the ``training`` flag of each module of ``module``'s tree: the guards of
     a capture made in the modes the user left (``model.eval()`` between training calls trains as
     torch does in eval mode: batch norms on their running statistics, no dropout)."""
-    return tuple(Read(weakref.ref(m), path, "training", m.training) for path, m in _guarded_modules(module))
+    return tuple(Read(weakref.ref(m), path, "training", m.training) for path, m in guarded_modules(module))
 
 
-def _guarded_modules(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+def guarded_modules(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """``module``'s tree but torchmetrics objects and what they hold."""
     metrics = [path + "." for path, m in module.named_modules() if metric_states.is_metric(m)]
     return [(path, m) for path, m in module.named_modules(remove_duplicate=True)
@@ -157,7 +163,7 @@ def recorded(module: torch.nn.Module):
     """While the block runs, note what ``module``'s tree reads; the list it yields then holds
     the :class:`Read` of each attribute (first value seen), once the block ends."""
     reads: list[Read] = []
-    modules = [(path, m) for path, m in _guarded_modules(module) if id(m) not in _NOTES]
+    modules = [(path, m) for path, m in guarded_modules(module) if id(m) not in _NOTES]
     for _, m in modules:
         _NOTES[id(m)] = {}
         m.__class__ = _tracking_class(type(m))
