@@ -8,7 +8,8 @@ A capture bakes them into the program as it bakes the module's own attributes
 the model itself changes while it runs (a global counter) no longer holds at the next call and
 the program is captured again, as torch would run ``forward`` again. The code is read, not run:
 every global it loads counts, also in a branch the capture did not take. Library code (torch,
-JAX, NumPy, Lightning, this package, Python's own) is not read.
+JAX, NumPy, Lightning, this package, Python's own) is not read. A global tensor is a constant
+of the program: its guard is the tensor's state (``python_reads.TensorState``).
 """
 
 import dataclasses
@@ -107,8 +108,8 @@ def _walk(function, cls, found: dict, seen: set) -> None:
 
 
 def _note(found: dict, read: NameRead, value) -> None:
-    """Add ``read`` with the snapshot of ``value``, where that is a guard."""
-    frozen = python_reads.snapshot(value)
+    """Add ``read`` with the snapshot of ``value`` (a tensor's state), where that is a guard."""
+    frozen = python_reads.TensorState.of(value) if isinstance(value, torch.Tensor) else python_reads.snapshot(value)
     key = (id(read.namespace), read.name, read.field)
     if (frozen is not None or value is None) and key not in found:
         found[key] = dataclasses.replace(read, value=frozen)

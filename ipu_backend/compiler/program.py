@@ -241,7 +241,8 @@ def compile_module(module: torch.nn.Module, example_args: tuple, method: str | N
     else:
         program = _build(module, exported, "module.", tuple(target.recorder.calls), keywords)
     guards = () if method is None else tuple(target.taken.guards)
-    return replace(program, python_reads=tuple(reads) + names, guards=guards,
+    reads = tuple(reads) + names + python_reads.tensor_attributes(module)
+    return replace(program, python_reads=reads, guards=guards,
                    host_input=host_input if guards else None)
 
 

@@ -5,7 +5,9 @@ A capture bakes such a value into the program (``x * self.alpha`` multiplies by 
 ``self.alpha`` had), so the program computes what the module computes only while each of them
 is unchanged: they are the program's guards, as torch.compile's are. While a capture runs, each
 module's class is swapped for a subclass that notes the plain values its instance attributes
-give; :func:`changed` then compares them with the module's current ones.
+give; :func:`changed` then compares them with the module's current ones. Tensors held as plain
+attributes (not parameters or buffers) are constants of the program: each is guarded by its
+state after the capture (:func:`tensor_attributes`).
 
 ``training`` is not noted: an executor that captures with the module's own modes guards every
 submodule's flag (:func:`modes`); one that sets them for its capture (``inferenceModel``), none.
@@ -51,13 +53,42 @@ class Read:
 
 
 def holds(captured, value) -> bool:
-    """Whether ``value`` gives the program that a read of ``captured`` (a :func:`snapshot`) gave
-    (``None`` only ``None``)."""
+    """Whether ``value`` gives the program that a read of ``captured`` (a :func:`snapshot` or a
+    :class:`TensorState`) gave (``None`` only ``None``)."""
     if value is MISSING:
         return False
     if captured is None:
         return value is None
+    if isinstance(captured, TensorState):
+        return captured.holds(value)
     return _same(snapshot(value), captured)
+
+
+@dataclass(frozen=True)
+class TensorState:
+    """A tensor that is neither a parameter nor a buffer, as a guard compares it: a program bakes
+    its values in, so it holds while the same tensor is there, not changed in place since
+    (``Tensor._version`` counts in-place changes). The tensor is held weakly: once it is gone,
+    the guard no longer holds."""
+
+    tensor: weakref.ref
+    version: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "TensorState":
+        return cls(weakref.ref(tensor), tensor._version)
+
+    def holds(self, value) -> bool:
+        return value is self.tensor() and value._version == self.version
+
+
+def tensor_attributes(module: torch.nn.Module) -> tuple[Read, ...]:
+    """A :class:`Read` of every tensor that ``module``'s tree holds as a plain attribute (not a
+    parameter or buffer), in its state now: the guards of the tensor constants a capture baked in."""
+    return tuple(Read(weakref.ref(m), path, name, TensorState.of(value))
+                 for path, m in guarded_modules(module)
+                 for name, value in m.__dict__.items()
+                 if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter))
 
 
 def snapshot(value):
@@ -96,6 +127,14 @@ def _same(a, b) -> bool:
     if type(a) is tuple:
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return a is b or a == b
+
+
+def described(read, value) -> str:
+    """What changed, for a message: ``<attribute> (<then> -> <now>)``; a tensor's values unshown."""
+    if isinstance(read.value, TensorState):
+        how = "changed in place" if value is read.value.tensor() else "replaced"
+        return f"{read.attribute} (a tensor, {how})"
+    return f"{read.attribute} ({read.value!r} -> {value!r})"
 
 
 def changed(reads: tuple[Read, ...]) -> list[tuple[Read, object]]:

@@ -323,7 +323,7 @@ class Executor:
         if not changes:
             return False
         self._recaptures += 1
-        described = ", ".join(f"{read.attribute} ({read.value!r} -> {value!r})" for read, value in changes)
+        described = ", ".join(python_reads.described(read, value) for read, value in changes)
         what = self._step_method or "model"
         logger.info("capturing the %s again: %s changed since it was captured", what, described)
         if self._recaptures == RECAPTURE_WARNING_LIMIT:

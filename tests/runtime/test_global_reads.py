@@ -152,3 +152,40 @@ def test_a_setting_read_off_a_global_that_is_bound_to_a_new_object_is_followed()
             torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
     finally:
         args = kept
+
+
+OFFSET = torch.tensor([1.0, 2.0, 3.0, 4.0])
+
+
+class Masked(torch.nn.Module):
+    """Reads a global tensor and a tensor held as a plain attribute (not a buffer): constants."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.mask = torch.ones(4)
+
+    def forward(self, x):
+        return self.linear(x - OFFSET) * self.mask
+
+
+def test_a_tensor_constant_replaced_or_changed_in_place_on_the_host_is_followed(caplog):
+    global OFFSET
+    torch.manual_seed(0)
+    model, x, kept = Masked(), torch.randn(2, 4), OFFSET
+    inference = poptorch.inferenceModel(model)
+    changes = [lambda: None, lambda: OFFSET.mul_(3), lambda: model.mask.__setitem__(0, 0.0),
+               lambda: setattr(model, "mask", torch.full((4,), 2.0))]
+    try:
+        with caplog.at_level(logging.INFO, logger="ipu_backend"):
+            for change in changes:
+                change()
+                torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
+            OFFSET = torch.zeros(4)
+            torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
+    finally:
+        OFFSET = kept
+    messages = [r.getMessage() for r in caplog.records if "again" in r.getMessage()]
+    assert len(messages) == 4
+    assert "mask (a tensor, changed in place)" in messages[1] and "OFFSET (a tensor, replaced)" in messages[3]
