@@ -31,6 +31,7 @@ from ipu_backend.runtime import (
     executable_cache,
     float_exceptions,
     host_idle,
+    host_optimizer,
     memory,
     perf_counters,
     processes,
@@ -538,6 +539,7 @@ class Executor:
                 return
             for rule, state, optimizer in zip(self._state_rules, jax.device_get(states), self._torch_optimizers()):
                 rule.state_to_torch(state, optimizer)
+                host_optimizer.synced(optimizer)
             self._opt_states_on_host = True
 
     def _start(self, packing: Packing = Packing()) -> None:
@@ -552,6 +554,9 @@ class Executor:
                 writer = self._store.last_writer()
                 if self._store.host_stale and writer is not None and writer is not self and writer._training:
                     self._store.implicit_copy()
+        if self._training:
+            for optimizer in self._torch_optimizers():
+                host_optimizer.take_host_writes(optimizer)
         if not self._started:
             self._store.check_buffer_names(self._settings.updatable_named_buffers)
             self._started = True
