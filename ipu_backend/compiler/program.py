@@ -24,7 +24,7 @@ from ipu_backend.compiler import (
 )
 from ipu_backend.compiler.dtypes import to_jax
 from ipu_backend.compiler.global_reads import NameRead
-from ipu_backend.compiler.python_reads import Read
+from ipu_backend.compiler.python_reads import HookGuard, Read
 from ipu_backend.compiler.sources import user_location
 from ipu_backend.errors import Error
 
@@ -121,10 +121,11 @@ class Program:
     """Other names of tied parameters and buffers -> the name the program reads them under."""
     keywords: tuple[str, ...] = ()
     """The names under which the last inputs are passed by keyword."""
-    python_reads: tuple[Read | NameRead, ...] = ()
-    """The plain Python attributes of the module that the capture read, and the globals and
-    closure variables its code can read (``global_reads``), with their values: the program is
-    what the module computes only while they keep them (``python_reads.changed``)."""
+    python_reads: tuple[Read | NameRead | HookGuard, ...] = ()
+    """The plain Python attributes of the module that the capture read, the globals and closure
+    variables its code can read (``global_reads``), its tensor constants and its hooks, with their
+    values: the program is what the module computes only while they keep them
+    (``python_reads.changed``)."""
     identity: str | None = None
     """What the program computes, as a digest (:mod:`~ipu_backend.compiler.identity`): equal for
     captures that lower to the same function, None when some value in it has no stable
@@ -241,7 +242,7 @@ def compile_module(module: torch.nn.Module, example_args: tuple, method: str | N
     else:
         program = _build(module, exported, "module.", tuple(target.recorder.calls), keywords)
     guards = () if method is None else tuple(target.taken.guards)
-    reads = tuple(reads) + names + python_reads.tensor_attributes(module)
+    reads = tuple(reads) + names + python_reads.tensor_attributes(module) + (python_reads.HookGuard(module),)
     return replace(program, python_reads=reads, guards=guards,
                    host_input=host_input if guards else None)
 

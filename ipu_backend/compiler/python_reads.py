@@ -7,7 +7,8 @@ is unchanged: they are the program's guards, as torch.compile's are. While a cap
 module's class is swapped for a subclass that notes the plain values its instance attributes
 give; :func:`changed` then compares them with the module's current ones. Tensors held as plain
 attributes (not parameters or buffers) are constants of the program: each is guarded by its
-state after the capture (:func:`tensor_attributes`).
+state after the capture (:func:`tensor_attributes`), and the hooks the capture ran with by their
+handles (:class:`HookGuard`).
 
 ``training`` is not noted: an executor that captures with the module's own modes guards every
 submodule's flag (:func:`modes`); one that sets them for its capture (``inferenceModel``), none.
@@ -21,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.nn.modules.module as torch_modules
+from torch.utils.hooks import RemovableHandle
 
 from ipu_backend.compiler import metric_states
 
@@ -129,8 +132,47 @@ def _same(a, b) -> bool:
     return a is b or a == b
 
 
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+"""The hooks that change what a module computes (or, refused on a training model, its backward)."""
+_GLOBAL_HOOKS = tuple(f"_global{name}" for name in _HOOKS)
+
+
+class HookGuard:
+    """The forward and backward hooks a capture ran with, of ``module``'s tree and torch's global
+    ones, as their handles' ids: a hook added or removed later gives another program. Adding a
+    hook anywhere advances torch's handle counter, so only then are all the modules looked at;
+    removing one can only take a hook the capture saw, so those are looked at every call."""
+
+    attribute = "the modules' hooks"
+
+    def __init__(self, module: torch.nn.Module):
+        self._dicts = ([(weakref.ref(m), name) for _, m in guarded_modules(module) for name in _HOOKS]
+                       + [(lambda: torch_modules, name) for name in _GLOBAL_HOOKS])
+        self.value = self._ids(self._dicts)
+        self._held = [entry for entry, ids in zip(self._dicts, self.value) if ids]
+        self._held_ids = tuple(ids for ids in self.value if ids)
+        self._counter = RemovableHandle.next_id
+
+    @staticmethod
+    def _ids(dicts) -> tuple:
+        return tuple(() if owner() is None else tuple(getattr(owner(), name)) for owner, name in dicts)
+
+    def current(self) -> tuple:
+        if RemovableHandle.next_id == self._counter and self._ids(self._held) == self._held_ids:
+            return self.value
+        now = self._ids(self._dicts)
+        if now == self.value:
+            self._counter = RemovableHandle.next_id
+        return now
+
+    def holds(self, value) -> bool:
+        return value == self.value
+
+
 def described(read, value) -> str:
     """What changed, for a message: ``<attribute> (<then> -> <now>)``; a tensor's values unshown."""
+    if isinstance(read, HookGuard):
+        return f"{read.attribute} (a hook added or removed)"
     if isinstance(read.value, TensorState):
         how = "changed in place" if value is read.value.tensor() else "replaced"
         return f"{read.attribute} (a tensor, {how})"

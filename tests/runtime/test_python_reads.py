@@ -3,8 +3,10 @@ it changes, an existing executor captures the model again, so every call equals 
 fp32: 1e-5 relative (1e-6 absolute)."""
 
 import copy
+import logging
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -109,3 +111,35 @@ def test_an_attribute_read_beside_torch_cond_is_guarded_too():
     torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
     model.scale = 3.0
     torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_hooks_added_or_removed_after_a_call_are_followed(caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    unrelated, x = torch.nn.Linear(2, 2), torch.randn(3, 4)
+    inference = poptorch.inferenceModel(model)
+    torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
+    changes = [lambda: model[0].register_forward_hook(lambda m, i, out: out * 2),
+               lambda: model[2].register_forward_pre_hook(lambda m, i: (i[0] + 1,)),
+               lambda: torch.nn.modules.module.register_module_forward_hook(lambda m, i, out: out),
+               lambda: unrelated.register_forward_hook(lambda m, i, out: out)]     # not the model's
+    handles = []
+    with caplog.at_level(logging.INFO, logger="ipu_backend"):
+        for change in changes:
+            handles.append(change())
+            torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
+        for handle in handles:
+            handle.remove()
+            torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
+    captures = [r.getMessage() for r in caplog.records if "again" in r.getMessage()]
+    assert len(captures) == 6 and all("hooks (a hook added or removed)" in m for m in captures)
+
+
+def test_a_backward_hook_added_to_a_training_model_after_a_call_is_refused():
+    torch.manual_seed(0)
+    model, x, y = Scaled(), torch.randn(4, 4), torch.randn(4, 2)
+    training = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    training(x, y)
+    model.linear.register_full_backward_hook(lambda m, grad_in, grad_out: None)
+    with pytest.raises(poptorch.Error, match="backward hook"):
+        training(x, y)
