@@ -1,5 +1,6 @@
-"""The plain Python values (numbers, strings, ``None``, and tuples, lists and mappings of them)
-that a capture read from the attributes of the captured module and its submodules.
+"""The plain Python values (numbers, strings, ``None``, enum members, torch dtypes, and tuples,
+lists and mappings of them) that a capture read from the attributes of the captured module and
+its submodules.
 
 A capture bakes such a value into the program (``x * self.alpha`` multiplies by the constant
 ``self.alpha`` had), so the program computes what the module computes only while each of them
@@ -17,6 +18,7 @@ outputs (``metric_states``), and their own bookkeeping (update counts) changes e
 """
 
 import contextlib
+import enum
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -95,10 +97,11 @@ def tensor_attributes(module: torch.nn.Module) -> tuple[Read, ...]:
 
 
 def snapshot(value):
-    """``value`` as a guard compares it: a plain value itself; a tuple, list or mapping (such as
-    Lightning's ``hparams``) of plain values as a tagged tuple of its items; None for anything
-    else (a tensor, a module, an empty container), which is not a guard."""
-    if type(value) in _PLAIN:
+    """``value`` as a guard compares it: a plain value (an enum member, a torch dtype too) itself;
+    a tuple, list or mapping (such as Lightning's ``hparams``) of plain values as a tagged tuple of
+    its items; None for anything else (a tensor, a module, an empty container), which is not a
+    guard."""
+    if type(value) in _PLAIN or isinstance(value, (enum.Enum, torch.dtype)):
         return value
     if isinstance(value, (tuple, list)) and value:
         items = _plain_snapshots(value)

@@ -3,6 +3,7 @@ it changes, an existing executor captures the model again, so every call equals 
 fp32: 1e-5 relative (1e-6 absolute)."""
 
 import copy
+import enum
 import logging
 import warnings
 
@@ -143,3 +144,33 @@ def test_a_backward_hook_added_to_a_training_model_after_a_call_is_refused():
     model.linear.register_full_backward_hook(lambda m, grad_in, grad_out: None)
     with pytest.raises(poptorch.Error, match="backward hook"):
         training(x, y)
+
+
+class Precision(enum.Enum):
+    FULL = "full"
+    HALF = "half"
+
+
+class Selectable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+        self.precision, self.dtype = Precision.FULL, torch.float32
+
+    def forward(self, x):
+        out = self.linear(x)
+        if self.precision is Precision.HALF:
+            out = out.to(torch.bfloat16).float()
+        return out.to(self.dtype)
+
+
+def test_an_enum_member_and_a_dtype_held_as_attributes_are_guarded():
+    torch.manual_seed(0)
+    model, x = Selectable(), torch.randn(4, 4)
+    inference = poptorch.inferenceModel(model)
+    for precision, dtype in ((Precision.FULL, torch.float32), (Precision.HALF, torch.float32),
+                             (Precision.HALF, torch.float16)):
+        model.precision, model.dtype = precision, dtype
+        ours, torchs = inference(x), model(x)
+        assert ours.dtype == torchs.dtype
+        torch.testing.assert_close(ours, torchs, rtol=1e-5, atol=1e-6)
