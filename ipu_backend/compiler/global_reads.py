@@ -1,7 +1,8 @@
 """The plain Python values outside the module that a capture's code can read: the globals and
 closure variables of the module's ``forward`` methods (and of a step method), of the functions
-and methods they call, and the attributes they load straight off a global (a Python module's
-``config.SCALE``, a class's, an ``argparse`` namespace's ``args.temperature``).
+and methods they call, the attributes they load straight off a global (a Python module's
+``config.SCALE``, a class's, an ``argparse`` namespace's ``args.temperature``), and the fields
+they load off an object a module holds (a config's ``self.config.dropout``).
 
 A capture bakes them into the program as it bakes the module's own attributes
 (``python_reads``), so they are guards too: each is taken before the capture runs, so that one
@@ -61,50 +62,68 @@ class NameRead:
 def reads(module: torch.nn.Module, method: str | None = None) -> tuple[NameRead, ...]:
     """The :class:`NameRead` of every plain value outside ``module`` that the ``forward`` of its
     modules (and ``method`` of ``module``) can read, with its value now."""
-    found, seen = {}, set()
-    for _, submodule in python_reads.guarded_modules(module):
-        _walk(inspect.getattr_static(type(submodule), "forward", None), type(submodule), found, seen)
+    found, seen, fields = {}, set(), {}
+    modules = python_reads.guarded_modules(module)
+    for _, submodule in modules:
+        _walk(inspect.getattr_static(type(submodule), "forward", None), type(submodule), found, seen, fields)
     if method is not None:
-        _walk(inspect.getattr_static(type(module), method, None), type(module), found, seen)
+        _walk(inspect.getattr_static(type(module), method, None), type(module), found, seen, fields)
+    for path, submodule in modules:
+        held = {}
+        for attribute, field in fields.get(type(submodule), ()):
+            held.setdefault(attribute, []).append(field)
+        for attribute, names in held.items():
+            value = submodule.__dict__.get(attribute, python_reads.MISSING)
+            _note_fields(found, submodule.__dict__, attribute, f"{path or type(submodule).__name__}.{attribute}",
+                         value, names)
     return tuple(found.values())
 
 
-def _walk(function, cls, found: dict, seen: set) -> None:
+def _walk(function, cls, found: dict, seen: set, fields: dict) -> None:
     """Add the reads of ``function`` (a method of ``cls``, or a plain function with ``cls`` None)
-    and of what it calls to ``found``, keyed by namespace and name."""
+    and of what it calls to ``found``, keyed by namespace and name, and the fields it loads off
+    objects ``self`` holds (``self.config.scale``) to ``fields[cls]``."""
     function = getattr(function, "__func__", function)          # staticmethod, classmethod
     code = getattr(function, "__code__", None)
     if code is None or code in seen or _is_library(code.co_filename):
         return
     seen.add(code)
     namespace = function.__globals__
-    globals_, attributes, methods = _loads(code)
+    globals_, attributes, methods, held = _loads(code)
+    if cls is not None:
+        fields.setdefault(cls, set()).update(held)
     where = namespace.get("__name__", "?")
     for name in globals_:
         value = namespace.get(name, python_reads.MISSING)
         if isinstance(value, types.FunctionType):
-            _walk(value, None, found, seen)
+            _walk(value, None, found, seen, fields)
             continue
         if value is not python_reads.MISSING:
             _note(found, NameRead(namespace, name, None, f"{where}.{name}", value), value)
-        fields = getattr(value, "__dict__", None)
-        if isinstance(fields, Mapping):
-            owner = value.__name__ if isinstance(value, types.ModuleType) else f"{where}.{name}"
-            for field in attributes.get(name, ()):
-                if field in fields:
-                    _note(found, NameRead(namespace, name, field, f"{owner}.{field}", None), fields[field])
+        owner = value.__name__ if isinstance(value, types.ModuleType) else f"{where}.{name}"
+        _note_fields(found, namespace, name, owner, value, attributes.get(name, ()))
     for name, cell in zip(code.co_freevars, function.__closure__ or ()):
         try:
             value = cell.cell_contents
         except ValueError:
             continue
         if isinstance(value, types.FunctionType):
-            _walk(value, None, found, seen)
+            _walk(value, None, found, seen, fields)
         else:
             _note(found, NameRead(cell, name, None, f"{function.__qualname__}.{name}", None), value)
     if cls is not None:
         for name in methods:
-            _walk(inspect.getattr_static(cls, name, None), cls, found, seen)
+            _walk(inspect.getattr_static(cls, name, None), cls, found, seen, fields)
+
+
+def _note_fields(found: dict, namespace, name: str, owner: str, value, fields) -> None:
+    """Add the reads of the ``fields`` of ``value`` (held in ``namespace`` as ``name``) that
+    hold it in its ``__dict__``."""
+    held = getattr(value, "__dict__", None)
+    if isinstance(held, Mapping) and not isinstance(value, (torch.nn.Module, torch.Tensor)):
+        for field in fields:
+            if field in held:
+                _note(found, NameRead(namespace, name, field, f"{owner}.{field}", None), held[field])
 
 
 def _note(found: dict, read: NameRead, value) -> None:
@@ -116,13 +135,15 @@ def _note(found: dict, read: NameRead, value) -> None:
 
 
 @functools.cache
-def _loads(code: types.CodeType) -> tuple[frozenset, dict, frozenset]:
+def _loads(code: types.CodeType) -> tuple[frozenset, dict, frozenset, frozenset]:
     """What ``code`` and the code nested in it (lambdas, comprehensions, inner functions) load:
-    the global names, the attributes loaded straight off each global (``config.SCALE``), and
-    every attribute name loaded (the methods it may call on ``self``)."""
-    globals_, attributes, methods = set(), {}, set()
+    the global names, the attributes loaded straight off each global (``config.SCALE``), every
+    attribute name loaded (the methods it may call on ``self``), and the ``(attribute, field)``
+    pairs loaded off its first argument (``self.config.scale``)."""
+    first = code.co_varnames[0] if code.co_argcount else None
+    globals_, attributes, methods, held = set(), {}, set(), set()
     for nested in _nested(code):
-        previous = None
+        earlier = previous = None
         for instruction in dis.get_instructions(nested):
             if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
                 globals_.add(instruction.argval)
@@ -130,8 +151,12 @@ def _loads(code: types.CodeType) -> tuple[frozenset, dict, frozenset]:
                 methods.add(instruction.argval)
                 if previous is not None and previous.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
                     attributes.setdefault(previous.argval, set()).add(instruction.argval)
-            previous = instruction
-    return frozenset(globals_), {name: frozenset(names) for name, names in attributes.items()}, frozenset(methods)
+                if (previous is not None and previous.opname == "LOAD_ATTR" and earlier is not None
+                        and earlier.opname in ("LOAD_FAST", "LOAD_DEREF") and earlier.argval == first):
+                    held.add((previous.argval, instruction.argval))
+            earlier, previous = previous, instruction
+    return (frozenset(globals_), {name: frozenset(names) for name, names in attributes.items()},
+            frozenset(methods), frozenset(held))
 
 
 def _nested(code: types.CodeType):

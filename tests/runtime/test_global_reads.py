@@ -1,11 +1,12 @@
 """A plain Python value outside the model that its code reads (a global, a closure variable, a
-setting of a Python module) is baked into the program as the model's own attributes are: when it
-changes, the executor captures the model again, so every call equals torch eager; one that the
-model's code does not read as a global leaves the program alone.
-fp32: 1e-5 relative (1e-6 absolute)."""
+setting of a Python module, a field of a config object a module holds) is baked into the program
+as the model's own attributes are: when it changes, the executor captures the model again, so
+every call equals torch eager; one that the model's code does not read as a global leaves the
+program alone. fp32: 1e-5 relative (1e-6 absolute)."""
 
 import argparse
 import copy
+import dataclasses
 import logging
 import types
 
@@ -189,3 +190,34 @@ def test_a_tensor_constant_replaced_or_changed_in_place_on_the_host_is_followed(
     messages = [r.getMessage() for r in caplog.records if "again" in r.getMessage()]
     assert len(messages) == 4
     assert "mask (a tensor, changed in place)" in messages[1] and "OFFSET (a tensor, replaced)" in messages[3]
+
+
+@dataclasses.dataclass
+class Settings:
+    scale: float = 1.0
+    activation: str = "tanh"
+
+
+class Configured(torch.nn.Module):
+    """Holds a config object and reads its fields, as models built from a config do."""
+
+    def __init__(self, config: Settings):
+        super().__init__()
+        self.config = config
+        self.linear = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        out = self.linear(x) * self.config.scale
+        return torch.tanh(out) if self.config.activation == "tanh" else torch.relu(out)
+
+
+def test_fields_of_a_config_object_a_module_holds_are_guarded():
+    torch.manual_seed(0)
+    model, x = Configured(Settings()), torch.randn(4, 4)
+    inference = poptorch.inferenceModel(model)
+    changes = [lambda: None, lambda: setattr(model.config, "scale", 3.0),
+               lambda: setattr(model.config, "activation", "relu"),
+               lambda: setattr(model, "config", Settings(scale=-2.0))]
+    for change in changes:
+        change()
+        torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
