@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import ipu_backend as poptorch
+from tests.runtime.test_python_reads import assert_trained_alike, step_both
 
 LOSS_WEIGHT = 1.0
 settings = types.ModuleType("settings")
@@ -47,15 +48,8 @@ def test_a_training_model_follows_a_global_its_helper_reads_and_settings_read_of
         for weight, shift, scale in ((1.0, 0.0, 1.0), (0.0, 0.0, 1.0), (2.0, 0.0, 1.0), (2.0, 1.5, 1.0),
                                      (2.0, 1.5, -0.5)):
             LOSS_WEIGHT, settings.SHIFT, args.scale = weight, shift, scale
-            loss = training(x, y)
-            expected_optimizer.zero_grad()
-            expected = reference(x, y)
-            expected.backward()
-            expected_optimizer.step()
-            torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
-        training.copyWeightsToHost()
-        for p, q in zip(model.parameters(), reference.parameters()):
-            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+            step_both(training, reference, expected_optimizer, x, y)
+        assert_trained_alike(training, model, reference)
     finally:
         LOSS_WEIGHT, settings.SHIFT, args.scale = 1.0, 0.0, 1.0
 

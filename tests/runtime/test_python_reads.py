@@ -33,12 +33,21 @@ def test_a_training_model_follows_a_changed_loss_weight():
     training = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     for scale in (1.0, 0.0, 2.0):
         model.scale = reference.scale = scale
-        loss = training(x, y)
-        expected_optimizer.zero_grad()
-        expected = reference(x, y)
-        expected.backward()
-        expected_optimizer.step()
-        torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+        step_both(training, reference, expected_optimizer, x, y)
+    assert_trained_alike(training, model, reference)
+
+
+def step_both(training, reference, optimizer, x, y):
+    """One call of ``training`` and torch eager's step of ``reference``: the losses are equal."""
+    loss = training(x, y)
+    optimizer.zero_grad()
+    expected = reference(x, y)
+    expected.backward()
+    optimizer.step()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+
+
+def assert_trained_alike(training, model, reference):
     training.copyWeightsToHost()
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
