@@ -130,7 +130,7 @@ def _note(found: dict, read: NameRead, value) -> None:
     """Add ``read`` with the snapshot of ``value`` (a tensor's state), where that is a guard."""
     frozen = python_reads.TensorState.of(value) if isinstance(value, torch.Tensor) else python_reads.snapshot(value)
     key = (id(read.namespace), read.name, read.field)
-    if (frozen is not None or value is None) and key not in found:
+    if python_reads.is_guard(read.field or read.name, value, frozen) and key not in found:
         found[key] = dataclasses.replace(read, value=frozen)
 
 

@@ -1,6 +1,6 @@
 """The plain Python values (numbers, strings, ``None``, enum members, torch dtypes, and tuples,
-lists and mappings of them) that a capture read from the attributes of the captured module and
-its submodules.
+lists, sets and mappings of them) that a capture read from the attributes of the captured module
+and its submodules.
 
 A capture bakes such a value into the program (``x * self.alpha`` multiplies by the constant
 ``self.alpha`` had), so the program computes what the module computes only while each of them
@@ -98,20 +98,31 @@ def tensor_attributes(module: torch.nn.Module) -> tuple[Read, ...]:
 
 def snapshot(value):
     """``value`` as a guard compares it: a plain value (an enum member, a torch dtype too) itself;
-    a tuple, list or mapping (such as Lightning's ``hparams``) of plain values as a tagged tuple of
-    its items; None for anything else (a tensor, a module, an empty container), which is not a
-    guard."""
+    a tuple, list, set or mapping (such as Lightning's ``hparams``) of plain values as a tagged
+    tuple of its items; None for anything else (a tensor, a module), which is not a guard."""
     if type(value) in _PLAIN or isinstance(value, (enum.Enum, torch.dtype)):
         return value
-    if isinstance(value, (tuple, list)) and value:
+    if isinstance(value, (tuple, list)):
         items = _plain_snapshots(value)
         return None if items is None else (type(value).__name__, items)
-    if isinstance(value, Mapping) and value:
+    if isinstance(value, (set, frozenset)):
+        items = _plain_snapshots(value)
+        return None if items is None else ("set", frozenset(items))
+    if isinstance(value, Mapping):
         if not all(type(k) in _PLAIN for k in value):
             return None
         items = _plain_snapshots(value.values())
         return None if items is None else ("mapping", tuple(zip(value, items)))
     return None
+
+
+def is_guard(name: str, value, frozen) -> bool:
+    """Whether ``value``, held under ``name`` and snapshot as ``frozen``, is a guard: a plain
+    value or ``None``, but not an empty container under a private name (torch's modules hold
+    their parameters, buffers and hooks so, read at every call of every module)."""
+    if frozen is None:
+        return value is None
+    return not (name.startswith("_") and isinstance(frozen, tuple) and not frozen[1])
 
 
 def _plain_snapshots(values) -> tuple | None:
@@ -208,7 +219,7 @@ def _tracking_class(cls: type) -> type:
             if notes is not None and name not in notes and name not in _NOT_GUARDED:
                 if object.__getattribute__(self, "__dict__").get(name, MISSING) is value:
                     frozen = snapshot(value)
-                    if frozen is not None or value is None:
+                    if is_guard(name, value, frozen):
                         notes[name] = frozen
             return value
 
@@ -225,7 +236,7 @@ def every_attribute(module: torch.nn.Module) -> tuple[Read, ...]:
     return tuple(Read(weakref.ref(m), path, name, frozen)
                  for path, m in guarded_modules(module)
                  for name, value in m.__dict__.items()
-                 if name not in _NOT_GUARDED and ((frozen := snapshot(value)) is not None or value is None))
+                 if name not in _NOT_GUARDED and is_guard(name, value, frozen := snapshot(value)))
 
 
 def modes(module: torch.nn.Module) -> tuple[Read, ...]:

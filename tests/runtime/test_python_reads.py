@@ -183,3 +183,30 @@ def test_an_enum_member_and_a_dtype_held_as_attributes_are_guarded():
         ours, torchs = inference(x), model(x)
         assert ours.dtype == torchs.dtype
         torch.testing.assert_close(ours, torchs, rtol=1e-5, atol=1e-6)
+
+
+class Skipping(torch.nn.Module):
+    """Skips the layers whose indices its attributes name: a list that starts empty and a set."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+        self.skipped, self.negated = [], {1}
+
+    def forward(self, x):
+        for index, layer in enumerate(self.layers):
+            if index not in self.skipped:
+                x = torch.tanh(layer(x))
+                x = -x if index in self.negated else x
+        return x
+
+
+def test_an_attribute_list_that_starts_empty_and_a_set_are_guarded():
+    torch.manual_seed(0)
+    model, x = Skipping(), torch.randn(4, 4)
+    inference = poptorch.inferenceModel(model)
+    changes = [lambda: None, lambda: model.skipped.append(0), lambda: model.negated.add(2),
+               lambda: model.negated.clear()]
+    for change in changes:
+        change()
+        torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
