@@ -122,7 +122,8 @@ def is_guard(name: str, value, frozen) -> bool:
     their parameters, buffers and hooks so, read at every call of every module)."""
     if frozen is None:
         return value is None
-    return not (name.startswith("_") and isinstance(frozen, tuple) and not frozen[1])
+    empty = type(frozen) is tuple and not frozen[1]         # a container's tagged snapshot
+    return not (empty and name.startswith("_"))
 
 
 def _plain_snapshots(values) -> tuple | None:
