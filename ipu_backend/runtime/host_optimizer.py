@@ -12,6 +12,7 @@ it (a moment reset in place, a step count replaced) is the device's from the nex
 """
 
 import collections
+import contextlib
 import weakref
 from collections.abc import Callable
 
@@ -101,10 +102,20 @@ def take_host_writes(optimizer: torch.optim.Optimizer) -> None:
         state.mark()
 
 
-def synced(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer.state`` now holds the device's state: count the host's writes from here."""
-    if isinstance(optimizer.state, DeviceState):
-        optimizer.state.mark()
+@contextlib.contextmanager
+def writing_device_state(optimizer: torch.optim.Optimizer):
+    """While the block writes the device's state into ``optimizer.state``, its uses do not fetch
+    that state again; after it, the host's writes count from there."""
+    state = optimizer.state
+    if not isinstance(state, DeviceState):
+        yield
+        return
+    syncing, state._syncing = state._syncing, True
+    try:
+        yield
+    finally:
+        state._syncing = syncing
+    state.mark()
 
 
 def watch(optimizer: torch.optim.Optimizer, owner, to_host: Callable[[object], None],

@@ -538,8 +538,8 @@ class Executor:
             if states is None or self._opt_states_on_host:
                 return
             for rule, state, optimizer in zip(self._state_rules, jax.device_get(states), self._torch_optimizers()):
-                rule.state_to_torch(state, optimizer)
-                host_optimizer.synced(optimizer)
+                with host_optimizer.writing_device_state(optimizer):
+                    rule.state_to_torch(state, optimizer)
             self._opt_states_on_host = True
 
     def _start(self, packing: Packing = Packing()) -> None:
