@@ -63,14 +63,16 @@ _CONVOLUTIONS_COMPILED: set[str] = set()
 """The convolution precisions of the programs compiled in this process (GPU backends)."""
 
 
-def note_compiled(precision: Float32Precision | None, convolutions_tuned: bool) -> None:
-    """Record that a program with ``precision`` (:func:`program_key`'s value) compiles now, and
-    warn when its convolutions are full float32, tuned while compiling (``convolutions_tuned``),
-    after a program with TF32 convolutions in this process: XLA's GPU autotuner keeps the
-    algorithms it picked per convolution shape without telling the two apart, so this program may
-    run TF32 convolutions (docs/limitations.md)."""
-    if precision is None:
+def note_compiled(settings: tuple | None) -> None:
+    """Record that a program compiles now with ``settings`` (the runtime's program settings:
+    None on the CPU, else :func:`program_key`'s value and whether its convolutions are tuned
+    while compiling), and warn when its convolutions are full float32 and tuned after a program
+    with TF32 convolutions in this process: XLA's GPU autotuner keeps the algorithms it picked
+    per convolution shape without telling the two apart, so this program may run TF32
+    convolutions (docs/limitations.md)."""
+    if settings is None:
         return
+    precision, convolutions_tuned = settings
     if precision.convolution == "ieee" and convolutions_tuned and "tf32" in _CONVOLUTIONS_COMPILED:
         warnings.warn("a program with float32 convolutions tuned while compiling (torch.backends.cudnn."
                       "benchmark or Options.autotuneMatmuls) compiles after one with TF32 convolutions "

@@ -44,7 +44,7 @@ from ipu_backend.runtime.step import OutputLayout, forward_with_constants, infer
 from ipu_backend.runtime.step import master_copy, training_call
 from ipu_backend.runtime.update_rules import packed_rule, rule_and_loss
 from ipu_backend.runtime.weights import claim_for_training, refuse_second_training_wrapper
-from ipu_backend.runtime.xla_compile import compile_lowered, convolutions_autotuned, executables_from, program_settings
+from ipu_backend.runtime.xla_compile import compile_lowered, executables_from, program_settings
 
 
 class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
@@ -412,7 +412,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             warnings.warn(f"{signature.changes(self._last_signature)} changed since the last call: compiling "
                           "again for the new ones (each distinct signature is compiled once)", stacklevel=3)
         self._last_signature = signature
-        float32_precision.note_compiled(float32_precision.program_key(), convolutions_autotuned())
+        float32_precision.note_compiled(signature.torch_settings)
         schedule = self._schedule()
         started = time.perf_counter()
         program = variants.covering(lambda micro: self._capture(micro, keywords), first_micro_batch(args, schedule),

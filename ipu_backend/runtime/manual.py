@@ -97,7 +97,7 @@ from ipu_backend.runtime.step import (
     replica_keys,
     replica_sum,
 )
-from ipu_backend.runtime.xla_compile import convolutions_autotuned, program_settings
+from ipu_backend.runtime.xla_compile import program_settings
 
 _STEP_ATTRIBUTE = "_ipu_manual_training_step"
 
@@ -345,7 +345,7 @@ class ManualStepExecutor(Executor):
         signature = (program_settings(), groups) + input_signature(args)
         compiled = self._compiled.get(signature)
         if compiled is None or self._reads_changed(compiled):
-            float32_precision.note_compiled(float32_precision.program_key(), convolutions_autotuned())
+            float32_precision.note_compiled(signature[0])
             compiled = self._compiled[signature] = self._build(args)
         return compiled
 
