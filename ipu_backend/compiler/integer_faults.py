@@ -78,9 +78,7 @@ def _added_product(product):
 
 
 def _scatter(x, dim, index, src, reduce="add"):
-    return views.scatter_reduced(x, views.scatter_updates(src, index, jnp.float32),
-                                 views.scatter_positions(index, dim),
-                                 "prod" if reduce == "multiply" else "sum", True)
+    return _scatter_reduce(x, dim, index, src, "prod" if reduce == "multiply" else "sum")
 
 
 def _scatter_reduce(x, dim, index, src, reduce, include_self=True):
