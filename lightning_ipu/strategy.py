@@ -81,8 +81,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import ipu_backend
 from ipu_backend import lightning_seam as seam
-from lightning_ipu import _compile_progress, _counters, _data, _gradient_hooks, _loop_progress, _metrics, _outputs
-from lightning_ipu import _processes, _short_batches
+from lightning_ipu import _appends, _compile_progress, _counters, _data, _gradient_hooks, _loop_progress, _metrics
+from lightning_ipu import _outputs, _processes, _short_batches
 
 from .precision import IPUPrecision
 
@@ -518,6 +518,7 @@ class IPUStrategy(ParallelStrategy):
         logged = executor.last_logs if self._processes == 1 else _processes.gathered(executor.last_logs)
         metrics = _metrics.update(self.lightning_module, program, logged, executor.options.device_iterations)
         self._log(program, logged, metrics)
+        _appends.extend(self.lightning_module, program, executor.last_logs)
         return _outputs.combine_outputs(result, program, _micro_batch_size(args[0], factor))
 
     def _run_short(self, method: str, args: tuple, micro: int, factor: int) -> Any:
@@ -537,6 +538,7 @@ class IPUStrategy(ParallelStrategy):
             kept.append(_short_batches.kept_result(result, shapes, per_sample, piece, factor))
             kept_logs.append(_short_batches.kept_logs(executor.last_logs, piece, factor))
             metrics = _metrics.update(self.lightning_module, program, kept_logs[-1], piece.real)
+            _appends.extend(self.lightning_module, program, kept_logs[-1])
         self._log(program, _short_batches.merged_logs(kept_logs), metrics,
                   _short_batches.micro_batch_weights(pieces_run))
         return _short_batches.merged_result(result, kept, per_sample, pieces_run)
@@ -692,7 +694,7 @@ class IPUStrategy(ParallelStrategy):
         module = self.lightning_module
         synced = {"sync_dist": False} if self._processes > 1 else {}
         for call in program.logs:
-            if call.state is not None:
+            if call.state is not None or call.appended is not None:
                 continue
             if call.metric is not None:
                 value = metrics[call.metric]

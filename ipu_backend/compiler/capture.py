@@ -29,6 +29,7 @@ from ipu_backend.compiler import (
     fused_losses,
     hints,
     host_branches,
+    list_appends,
     loops,
     loss_checks,
     metric_states,
@@ -59,13 +60,15 @@ class LogCall:
     """One ``self.log`` made by a step: its name, keyword arguments and, for a Python number,
     its constant value, for a torchmetrics object its path in the module (tensor values become
     outputs of the program). A torchmetrics state the step updated is logged as a tensor with
-    its ``state`` (see ``metric_states``)."""
+    its ``state`` (see ``metric_states``), a tensor it appended to a list the module holds with
+    its ``appended`` (see ``list_appends``)."""
 
     name: str
     kwargs: dict = field(default_factory=dict)
     constant: Any = None
     metric: str | None = None
     state: metric_states.MetricState | None = None
+    appended: list_appends.ListAppend | None = None
 
     @property
     def is_tensor(self) -> bool:
@@ -132,7 +135,9 @@ class _Taken:
 
 
 class StepCall(torch.nn.Module):
-    """Exports ``module.<method>(*args)`` and returns ``(result, logged tensors)``.
+    """Exports ``module.<method>(*args)`` and returns ``(result, logged tensors)``: its
+    ``self.log`` tensors, the torchmetrics states it updated and the tensors it appended to lists
+    the module holds, in the order of ``recorder.calls``.
 
     ``host_known``: ``(position, values)`` when the argument at ``position`` is known on the host
     per micro-batch and holds ``values`` in the micro-batch captured: the step may then branch
@@ -161,13 +166,15 @@ class StepCall(torch.nn.Module):
             if adapt is not None:
                 args, scope = adapt(self.module, args)
             with (_recording_logs(self.module, self.recorder), metric_states.lifted(self.module) as metrics,
-                  scope):
+                  list_appends.watching(self.module) as watch, scope):
                 result = getattr(self.module, self.method)(*args)
                 specs, values = metric_states.updated_states(metrics)
+                appends = watch.appends()
         if tracked is not None:
             self.taken.guards = list(tracked.guards)
         self.recorder.calls.extend(LogCall(spec.key, state=spec) for spec in specs)
-        return result, list(self.recorder.tensors) + values
+        self.recorder.calls.extend(LogCall(append.name, appended=append) for append, _ in appends)
+        return result, list(self.recorder.tensors) + values + [tensor for _, tensor in appends]
 
 
 _STEP_ARGUMENTS = contextvars.ContextVar("ipu_backend_step_arguments", default=(None, None))

@@ -19,6 +19,8 @@ from ipu_backend.compiler import (
     interpreter,
     layer_calls,
     layer_loops,
+    list_appends,
+    metric_states,
     python_reads,
     repeated_layers,
 )
@@ -182,10 +184,19 @@ class Program:
         return arrays[:len(arrays) - logged]
 
     def logged_dtypes(self) -> dict[str, torch.dtype]:
-        """The dtype of each tensor a step method logs (``self.log``), by name."""
+        """The dtype of each tensor a step method logs (``self.log``), by name, and of each
+        metric state's total over a call (``<name>:total``)."""
         names = [call.name for call in self.logs if call.is_tensor]
         nodes = self.array_outputs()[len(self.result_arrays()):]
-        return {name: node.meta["val"].dtype for name, node in zip(names, nodes)}
+        dtypes = {name: node.meta["val"].dtype for name, node in zip(names, nodes)}
+        return {**dtypes, **{name + metric_states.TOTAL_SUFFIX: dtypes[name]
+                             for name in metric_states.totals_of(self.logs)}}
+
+    def call_totals(self) -> dict[str, str]:
+        """Logged name -> what a call returns of it over all its micro-batches, whatever the
+        output mode keeps: a metric state reduced ("sum" | "max" | "min"), an appended tensor
+        for every micro-batch (``list_appends.EVERY_MICRO_BATCH``)."""
+        return {**metric_states.totals_of(self.logs), **list_appends.every_micro_batch(self.logs)}
 
     def result_shapes(self) -> list:
         """Per leaf of a step method's result, its shape (None for a constant leaf)."""
@@ -222,11 +233,11 @@ def compile_module(module: torch.nn.Module, example_args: tuple, method: str | N
     names = global_reads.reads(module, method)
     try:
         with python_reads.recorded(module) as reads:
-            exported, templates = _capture(target, args, kwargs, runs)
+            exported, templates = _capture_forward(module, target, args, kwargs, runs, method)
     except UncapturedHigherOrderOpError:
         # torch.cond's branches are traced by torch's compiler, which cannot run the classes
         # that note reads: capture again unnoted, guarded by every plain attribute.
-        exported, templates = _capture(target, args, kwargs, runs)
+        exported, templates = _capture_forward(module, target, args, kwargs, runs, method)
         reads = python_reads.every_attribute(module)
     end = time.time()
     jax.monitoring.record_event_duration_secs(CAPTURE_EVENT, end - start)
@@ -242,7 +253,8 @@ def compile_module(module: torch.nn.Module, example_args: tuple, method: str | N
     else:
         program = _build(module, exported, "module.", tuple(target.recorder.calls), keywords)
     guards = () if method is None else tuple(target.taken.guards)
-    reads = tuple(reads) + names + python_reads.tensor_attributes(module) + (python_reads.HookGuard(module),)
+    reads = (_without_appended_lists(reads, program.logs) + names + python_reads.tensor_attributes(module)
+             + (python_reads.HookGuard(module),))
     return replace(program, python_reads=reads, guards=guards,
                    host_input=host_input if guards else None)
 
@@ -251,6 +263,25 @@ def split_keywords(inputs: tuple, keywords: tuple[str, ...]) -> tuple[tuple, dic
     """``inputs`` whose last ``len(keywords)`` values go by keyword -> ``(args, kwargs)``."""
     count = len(inputs) - len(keywords)
     return tuple(inputs[:count]), dict(zip(keywords, inputs[count:]))
+
+
+def _capture_forward(module: torch.nn.Module, target: torch.nn.Module, args: tuple, kwargs: dict, runs: list,
+                     method: str | None) -> tuple:
+    """:func:`_capture`, refusing a model's forward that appends to lists the module holds (a
+    step method's appends are its outputs: ``capture.StepCall``)."""
+    if method is not None:
+        return _capture(target, args, kwargs, runs)
+    with list_appends.watching(module) as watch:
+        captured = _capture(target, args, kwargs, runs)
+    watch.refuse_appends("the model's forward")
+    return captured
+
+
+def _without_appended_lists(reads, logs) -> tuple:
+    """``reads`` but those of the lists the step appended to: their items are the step's outputs,
+    which the host appends after each call, not values baked into the program."""
+    appended = {(call.appended.module, call.appended.attribute) for call in logs if call.appended is not None}
+    return tuple(read for read in reads if not (isinstance(read, Read) and (read.path, read.name) in appended))
 
 
 def _capture(target: torch.nn.Module, args: tuple, kwargs: dict, runs: list) -> tuple:

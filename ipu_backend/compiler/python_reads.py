@@ -27,7 +27,7 @@ import torch
 import torch.nn.modules.module as torch_modules
 from torch.utils.hooks import RemovableHandle
 
-from ipu_backend.compiler import metric_states
+from ipu_backend.compiler import list_appends, metric_states
 
 _PLAIN = (bool, int, float, str, type(None))
 _NOT_GUARDED = frozenset({"training"})
@@ -99,7 +99,10 @@ def tensor_attributes(module: torch.nn.Module) -> tuple[Read, ...]:
 def snapshot(value):
     """``value`` as a guard compares it: a plain value (an enum member, a torch dtype too) itself;
     a tuple, list, set or mapping (such as Lightning's ``hparams``) of plain values as a tagged
-    tuple of its items; None for anything else (a tensor, a module), which is not a guard."""
+    tuple of its items; None for anything else (a tensor, a module), which is not a guard. A list
+    standing in for the module's own during a capture (``list_appends``) is the list it copies."""
+    if isinstance(value, list_appends.Watched):
+        value = list.copy(value)             # list's own: the stand-in notes its reads
     if type(value) in _PLAIN or isinstance(value, (enum.Enum, torch.dtype)):
         return value
     if isinstance(value, (tuple, list)):

@@ -15,7 +15,6 @@ from jax.sharding import PartitionSpec as P
 from ipu_backend.compiler import compile_module, float32_precision
 from ipu_backend.compiler.capture import host_known_input
 from ipu_backend.compiler.lowering_options import current_options
-from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, totals_of
 from ipu_backend.errors import Error
 from ipu_backend.runtime import compile_hooks, host_optimizer, perf_counters, processes, program_cache
 from ipu_backend.runtime import replica_groups, serialization, variants
@@ -533,8 +532,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             leaves = torch_pytree.tree_leaves(micro)
             dtypes += [leaves[i].dtype for i in program.mutated_inputs]
         log_dtypes = program.logged_dtypes()
-        totals = totals_of(program.logs)
-        log_dtypes.update({name + TOTAL_SUFFIX: log_dtypes[name] for name in totals})
+        totals = program.call_totals()
         if has_blocks(program.graph_module) and schedule.processes > 1:
             raise Error("a model split over IPUs (BeginBlock, Block, Stage) runs in one process: several "
                         "processes (Options.Distributed) replicate single-IPU models only")

@@ -61,7 +61,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ipu_backend.compiler import compile_module, float32_precision
-from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, totals_of
 from ipu_backend.errors import Error
 from ipu_backend.runtime.clipping import GradientClipping
 from ipu_backend.runtime.devices import REPLICA
@@ -401,8 +400,7 @@ class ManualStepExecutor(Executor):
         result_count = program.output_spec.child(0).child(0).num_leaves
         results = [n for n in program.output_leaves()[:result_count] if isinstance(n, torch.fx.Node)]
         log_dtypes = program.logged_dtypes()
-        totals = totals_of(program.logs)
-        log_dtypes.update({name + TOTAL_SUFFIX: log_dtypes[name] for name in totals})
+        totals = program.call_totals()
         call = _manual_call(program, micro, tuple(events.events), events.groups, rules, schedule,
                             self._mesh(), layout, totals,
                             tuple(sorted(n for n, p in params.items() if p.dtype in (torch.float16, torch.bfloat16))))

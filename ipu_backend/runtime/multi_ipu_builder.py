@@ -68,13 +68,20 @@ def _check_stage_counts(part: Partition, schedule: Schedule, training: bool, pip
 
 
 def check_metric_states(program, schedule: Schedule) -> None:
-    """Metric states are reduced on the host from every micro-batch's outputs, so all must return."""
+    """Metric states and appended tensors come from every micro-batch's outputs, so all must
+    return."""
     metrics = sorted({c.state.metric for c in program.logs if c.state is not None})
     if metrics and schedule.output_mode != "all":
         raise Error(f"the step updates torchmetrics objects ({', '.join(metrics)}) in a model split "
                     "over IPUs, whose states are gathered from every micro-batch: use "
                     "Options().outputMode(OutputMode.All), or update the metrics in a step that "
                     "returns all outputs (validation/test), or use their functional forms")
+    lists = sorted({c.appended.where for c in program.logs if c.appended is not None})
+    if lists and schedule.output_mode != "all":
+        raise Error(f"the step appends to {', '.join(lists)} in a model split over IPUs, whose appended "
+                    "values are gathered from every micro-batch: use Options().outputMode(OutputMode.All), "
+                    "or append in a step that returns all outputs (validation/test), or log the value "
+                    "(self.log) instead")
 
 
 def _export(model, micro: tuple, training: bool, method: str | None, keywords: tuple = ()):

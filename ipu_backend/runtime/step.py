@@ -17,6 +17,7 @@ import torch.utils._pytree as torch_pytree
 from jax.sharding import PartitionSpec as P
 
 from ipu_backend.compiler.lowering_options import lowering_options
+from ipu_backend.compiler.list_appends import EVERY_MICRO_BATCH
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX
 from ipu_backend.runtime.devices import REPLICA
 from ipu_backend.runtime.rounding import stochastic_round
@@ -61,16 +62,19 @@ def _totals(logs: dict, totals: dict) -> dict:
     """Logged metric states reduced over every micro-batch of the call, whatever the output mode
     keeps: ``[D, A, r, ...]`` -> ``[1, 1, r, ...]`` (the host reduces over the replicas)."""
     return {name + TOTAL_SUFFIX: _REDUCE[how](logs[name], axis=(0, 1), keepdims=True)
-            for name, how in totals.items()}
+            for name, how in totals.items() if how in _REDUCE}
 
 
 def call_outputs(arrays, logs: dict, schedule: Schedule, totals: dict) -> tuple:
     """A call's per-micro-batch outputs and logs ``[D, A, r, ...]`` as the program returns them:
-    selected by the output mode, with the metric ``totals`` over every micro-batch added, and
-    moved to ``[r, D', A', ...]`` so the replica axis is gathered first."""
+    selected by the output mode, with the metric ``totals`` over every micro-batch added (and
+    the logs ``totals`` wants for every micro-batch kept whole), and moved to ``[r, D', A', ...]``
+    so the replica axis is gathered first."""
     reduced = _totals(logs, totals)
-    arrays, logs = _select_outputs((arrays, logs), schedule)
-    return jax.tree.map(lambda y: jnp.moveaxis(y, 2, 0), (arrays, {**logs, **reduced}))
+    whole = {name: value for name, value in logs.items() if totals.get(name) == EVERY_MICRO_BATCH}
+    selected = {name: value for name, value in logs.items() if name not in whole}
+    arrays, logs = _select_outputs((arrays, selected), schedule)
+    return jax.tree.map(lambda y: jnp.moveaxis(y, 2, 0), (arrays, {**logs, **whole, **reduced}))
 
 
 def _identity(how: str, dtype):
@@ -116,8 +120,10 @@ def device_loop(iteration, carry, xs, schedule: Schedule, totals: dict):
     outputs ``[A, r, ...]``, and its outputs as :func:`call_outputs` gives them. In Final and Sum
     modes the loop keeps only what the call returns (the last outputs, or their running sum, and
     the metric totals) instead of stacking every iteration's: on XLA:CPU each stacked output is
-    one more write per iteration, and it holds D copies."""
-    if schedule.device_iterations == 1 or schedule.output_mode not in ("final", "sum"):
+    one more write per iteration, and it holds D copies. Logs wanted for every micro-batch
+    (appended tensors) are stacked, as in the other modes."""
+    if (schedule.device_iterations == 1 or schedule.output_mode not in ("final", "sum")
+            or EVERY_MICRO_BATCH in totals.values()):
         carry, ys = loop_scan(iteration, carry, xs)
         return carry, call_outputs(*ys, schedule, totals)
     final = schedule.output_mode == "final"
@@ -381,8 +387,8 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
     of the model (a Program's ``logged_fn``); ``state`` is ``{"params", "buffers", "opt", "scaler"}`` (``scaler``: dynamic loss scaling,
     see :func:`initial_scaler`, or None); ``inputs`` the positional arguments, each array
     split by :func:`split_batch`; outputs are ``[r, D', A', ...]`` per device, gathered on the replica
-    axis, and selected by the output mode. ``totals`` (logged name -> "sum" | "max" | "min") adds
-    those logs reduced over every micro-batch (see :func:`_totals`); ``views`` gives each replica
+    axis, and selected by the output mode. ``totals`` (``Program.call_totals``) adds those logs
+    reduced over every micro-batch, or keeps them for every one (see :func:`call_outputs`); ``views`` gives each replica
     its weights (see :func:`_with_views`). ``keep_gradients`` adds ``"grads"`` to the returned
     state: the last optimizer step's gradients as its update took them (averaged, unscaled, not
     yet clipped), for host code that reads ``.grad`` (Lightning's gradient hooks).
