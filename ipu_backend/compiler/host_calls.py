@@ -13,6 +13,8 @@ import weakref
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from ipu_backend.compiler.list_appends import on_host
+
 _FUNCTIONS: "weakref.WeakValueDictionary[str, HostFunction]" = weakref.WeakValueDictionary()
 _SERIAL = itertools.count()
 
@@ -47,7 +49,7 @@ def host_call(inputs: list[torch.Tensor], key: str) -> list[torch.Tensor]:
 
 @host_call.register_fake
 def _(inputs, key):
-    with unset_fake_temporarily():
+    with unset_fake_temporarily(), on_host():
         zeros = [torch.zeros(tuple(x.shape), dtype=x.dtype) for x in inputs]
         shapes = [(tuple(o.shape), o.dtype) for o in host_function(key)(*zeros)]
     return [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]

@@ -14,6 +14,7 @@ non-tensor item (its value would be the capture's at every step).
 """
 
 import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,21 @@ def where(module: str, attribute: str) -> str:
     return f"self.{module}.{attribute}" if module else f"self.{attribute}"
 
 
+_ON_HOST = contextvars.ContextVar("ipu_backend_lists_on_host", default=False)
+
+
+@contextlib.contextmanager
+def on_host():
+    """While the block runs, the stand-in lists act as plain lists: for host code a capture
+    runs (a ``poptorch.CPU`` function called once for its output shapes), whose uses of the
+    lists are not the compiled step's."""
+    token = _ON_HOST.set(True)
+    try:
+        yield
+    finally:
+        _ON_HOST.reset(token)
+
+
 class Watched(list):
     """A copy of a list a module holds, standing in for it while a step is captured: appended
     items are noted (not added), other uses noted as reads, and any other change refused."""
@@ -72,10 +88,16 @@ class Watched(list):
         """The first operation that read the list's items, if any."""
 
     def append(self, item) -> None:
-        self.appended.append(item)
+        if _ON_HOST.get():
+            list.append(self, item)
+        else:
+            self.appended.append(item)
 
     def extend(self, items) -> None:
-        self.appended.extend(items)
+        if _ON_HOST.get():
+            list.extend(self, items)
+        else:
+            self.appended.extend(items)
 
     def __iadd__(self, items):
         self.extend(items)
@@ -84,7 +106,7 @@ class Watched(list):
 
 def _noting_read(operation: str):
     def read(self, *args, **kwargs):
-        if self.read is None:
+        if self.read is None and not _ON_HOST.get():
             self.read = operation
         return getattr(list, operation)(self, *args, **kwargs)
     return read
@@ -92,6 +114,8 @@ def _noting_read(operation: str):
 
 def _refusing(operation: str):
     def change(self, *args, **kwargs):
+        if _ON_HOST.get():
+            return getattr(list, operation)(self, *args, **kwargs)
         raise Error(f"the step changes {where(self.module, self.attribute)}, a list the module holds, "
                     f"with {operation}: a compiled step's Python runs once, at capture, not per batch, "
                     "so it may only append to such lists (what it appends reaches the list after "
