@@ -22,6 +22,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ipu_backend.compiler import (
     attention_choice,
+    attribute_writes,
     containers,
     cumulative_batch_norm,
     distribution_checks,
@@ -166,7 +167,7 @@ class StepCall(torch.nn.Module):
             if adapt is not None:
                 args, scope = adapt(self.module, args)
             with (_recording_logs(self.module, self.recorder), metric_states.lifted(self.module) as metrics,
-                  list_appends.watching(self.module) as watch, scope):
+                  list_appends.watching(self.module) as watch, attribute_writes.refused(self.module), scope):
                 result = getattr(self.module, self.method)(*args)
                 specs, values = metric_states.updated_states(metrics)
                 appends = watch.appends()
