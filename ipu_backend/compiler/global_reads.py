@@ -85,7 +85,7 @@ def _walk(function, cls, found: dict, seen: set, fields: dict) -> None:
     objects ``self`` holds (``self.config.scale``) to ``fields[cls]``."""
     function = getattr(function, "__func__", function)          # staticmethod, classmethod
     code = getattr(function, "__code__", None)
-    if code is None or code in seen or _is_library(code.co_filename):
+    if code is None or code in seen or is_library(code.co_filename):
         return
     seen.add(code)
     namespace = function.__globals__
@@ -167,7 +167,7 @@ def _nested(code: types.CodeType):
 
 
 @functools.cache
-def _is_library(filename: str) -> bool:
+def is_library(filename: str) -> bool:
     """Whether ``filename`` is library code, whose globals are its own settings, not the model's."""
     return os.path.realpath(filename).startswith(_LIBRARY_DIRS)
 

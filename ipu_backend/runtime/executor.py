@@ -508,11 +508,11 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         compile_hooks.run(compile_hooks.PRE_COMPILE)
         try:
             with capture_modes(model, self._training, self._step_method), phase(CAPTURE), \
-                    self._capturing(), replica_groups.one_group_each(model, self._replica_rows()):
+                    self._capturing() as optimizer_reads, replica_groups.one_group_each(model, self._replica_rows()):
                 program = compile_module(model, micro, method=self._step_method, keywords=keywords,
                                          loop_repeated_layers=self._settings.loop_repeated_layers,
                                          host_input=None if self._step_method is None else host_known_input())
-            return guarding_modes(program, model, self._training, self._step_method)
+            return guarding_modes(self._guarded(program, optimizer_reads), model, self._training, self._step_method)
         finally:
             compile_hooks.run(compile_hooks.POST_COMPILE)
 

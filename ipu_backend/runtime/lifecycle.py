@@ -13,6 +13,7 @@ to the host in PopTorch's shapes.
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import time
 import warnings
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as torch_pytree
 
-from ipu_backend.compiler import containers, decomposition_cache, python_reads, runtime_checks
+from ipu_backend.compiler import containers, decomposition_cache, optimizer_reads, python_reads, runtime_checks
 from ipu_backend.compiler.capture import refuse_backward_hooks
 from ipu_backend.errors import Error
 from ipu_backend.runtime import (
@@ -433,13 +434,21 @@ class Executor:
     @contextlib.contextmanager
     def _capturing(self):
         """The block a capture runs in: a training executor refuses module backward hooks (its
-        program never runs torch's backward), and captures take and keep their decompositions to
-        core ATen in this executor's executable cache (``compiler.decomposition_cache``)."""
+        program never runs torch's backward), captures take and keep their decompositions to
+        core ATen in this executor's executable cache (``compiler.decomposition_cache``), and the
+        step's reads of its optimizers' hyper-parameters are noted: the block gets the list
+        holding their guards once it ends (``compiler.optimizer_reads``, see :meth:`_guarded`)."""
         if self._training:
             refuse_backward_hooks(self._user_model)
         cache = self._executable_cache
-        with decomposition_cache.kept_in(None if cache is None else executable_cache.Decompositions(cache)):
-            yield
+        with (decomposition_cache.kept_in(None if cache is None else executable_cache.Decompositions(cache)),
+              optimizer_reads.recorded(self._torch_optimizers()) as reads):
+            yield reads
+
+    @staticmethod
+    def _guarded(program, reads: list):
+        """``program`` guarded by ``reads`` too (what :meth:`_capturing` noted)."""
+        return dataclasses.replace(program, python_reads=program.python_reads + tuple(reads))
 
     def _entry_key(self, shared_key: tuple | None) -> str | None:
         """The key in this executor's executable cache of the program with ``shared_key`` (None:

@@ -363,10 +363,10 @@ class ManualStepExecutor(Executor):
 
         object.__setattr__(model, _STEP_ATTRIBUTE, step)
         try:
-            with capture_modes(model, True, self._step_method), phase(CAPTURE), self._capturing():
+            with capture_modes(model, True, self._step_method), phase(CAPTURE), self._capturing() as optimizer_reads:
                 program = compile_module(model, micro if versions is None else (*micro, versions),
                                          method=_STEP_ATTRIBUTE, loop_repeated_layers=self._settings.loop_repeated_layers)
-            return guarding_modes(program, model, True, self._step_method)
+            return guarding_modes(self._guarded(program, optimizer_reads), model, True, self._step_method)
         finally:
             object.__delattr__(model, _STEP_ATTRIBUTE)
 

@@ -1,0 +1,80 @@
+"""Optimizer hyper-parameters a step reads in Python (``self.optimizers().param_groups[0]["lr"]``,
+to log the learning rate or scale a loss by it): guards of the program, as the module's plain
+attributes are (``python_reads``).
+
+The compiled update takes the optimizer's hyper-parameters as inputs, but a value the step itself
+reads is a Python number, baked into the program at capture, which a scheduler then changes on the
+host. While a step is captured, each param group of the executor's optimizers stands in as a copy
+that notes the keys read; each read becomes a :class:`GroupRead`, and a change of its value
+captures the step again.
+"""
+
+import contextlib
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from ipu_backend.compiler import global_reads, python_reads
+
+
+class _Noting(dict):
+    """A param group's copy noting the keys the user's code reads through it (library code, such
+    as the executor reading the hyper-parameters it feeds the update, is not the step's)."""
+
+    def __init__(self, group: dict, noted: set):
+        super().__init__(group)
+        self._noted = noted
+
+    def __getitem__(self, key):
+        self._note(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self._note(key)
+        return super().get(key, default)
+
+    def _note(self, key) -> None:
+        if not global_reads.is_library(sys._getframe(2).f_code.co_filename):
+            self._noted.add(key)
+
+
+@dataclass(frozen=True, eq=False)
+class GroupRead:
+    """``<optimizer>.param_groups[<index>][<key>]`` read during a capture, its value then (a
+    ``python_reads.snapshot``)."""
+
+    group: dict
+    key: str
+    attribute: str
+    value: object
+
+    def current(self):
+        return self.group.get(self.key, python_reads.MISSING)
+
+    def holds(self, value) -> bool:
+        return python_reads.holds(self.value, value)
+
+
+@contextlib.contextmanager
+def recorded(optimizers: list[torch.optim.Optimizer | None]):
+    """While the block runs, note the keys read from ``optimizers``' param groups; the list it
+    yields holds their :class:`GroupRead` once the block ends (plain values only: a tensor
+    hyper-parameter is not a guard)."""
+    reads: list[GroupRead] = []
+    swapped = []
+    for optimizer in filter(None, optimizers):
+        for index, group in enumerate(optimizer.param_groups):
+            noted: set = set()
+            optimizer.param_groups[index] = _Noting(group, noted)
+            swapped.append((optimizer, index, group, noted))
+    try:
+        yield reads
+    finally:
+        for optimizer, index, group, noted in swapped:
+            optimizer.param_groups[index] = group
+            for key in sorted(noted, key=str):
+                frozen = python_reads.snapshot(group.get(key))
+                if frozen is not None:
+                    reads.append(GroupRead(group, key, f"{type(optimizer).__name__}.param_groups[{index}][{key!r}]",
+                                           frozen))

@@ -1,0 +1,38 @@
+"""A step that reads its optimizer's learning rate in Python (to log it, or to scale its loss)
+sees the rate the scheduler set, as on the CPU: the value read is a guard of the compiled step,
+which is captured again when it changes. fp32: 1e-5 relative (1e-6 absolute)."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.lightning.helpers import ATOL, QUIET, RTOL, assert_same_weights, dataset, loader, twins
+
+
+class ScalesByTheRate(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 2)
+        self.rates = []
+
+    def training_step(self, batch, batch_idx):
+        rate = self.optimizers().param_groups[0]["lr"]
+        self.log("lr", rate)
+        return F.mse_loss(self.net(batch[0]), batch[1]) * (rate * 10)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.rates.append(float(self.trainer.callback_metrics["lr"]))
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
+
+
+def test_a_learning_rate_read_in_the_step_follows_the_scheduler():
+    ipu, cpu = twins(ScalesByTheRate)
+    for module, accelerator in ((ipu, "ipu"), (cpu, "cpu")):
+        pl.Trainer(accelerator=accelerator, devices=1, max_epochs=3, **QUIET).fit(module, loader(dataset(8), 4))
+    assert cpu.rates == pytest.approx([0.1, 0.1, 0.05, 0.05, 0.025, 0.025])
+    assert ipu.rates == cpu.rates
+    assert_same_weights(ipu, cpu, rtol=RTOL, atol=ATOL)
