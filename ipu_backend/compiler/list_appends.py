@@ -141,8 +141,8 @@ class Watch:
 
     def appends(self) -> list[tuple[ListAppend, torch.Tensor]]:
         """Each tensor the step appended, with its :class:`ListAppend`, in order; an error for a
-        list that was both appended to and read, an item that is not made of tensors, or a list
-        held deeper that the step changed."""
+        list that was both appended to and read, or assigned a longer list, an item that is not
+        made of tensors, or a list held deeper that the step changed."""
         self._refuse_nested_changes("the step")
         found = []
         for submodule, attribute, _, watched in self._lists:
