@@ -126,12 +126,6 @@ def watch(optimizer: torch.optim.Optimizer, owner, to_host: Callable[[object], N
     reference = weakref.ref(owner)
     cls = type(optimizer)
 
-    def state_dict(*args, **kwargs):
-        live = reference()
-        if live is not None:
-            to_host(live)
-        return cls.state_dict(optimizer, *args, **kwargs)
-
     def to_host_now():
         live = reference()
         if live is not None:
@@ -142,14 +136,21 @@ def watch(optimizer: torch.optim.Optimizer, owner, to_host: Callable[[object], N
         if live is not None:
             loaded(live)
 
+    def watch_state():
+        optimizer.state = DeviceState(dict.items(optimizer.state), to_host_now, loaded_now)
+
+    def state_dict(*args, **kwargs):
+        to_host_now()
+        return cls.state_dict(optimizer, *args, **kwargs)
+
     def load_state_dict(*args, **kwargs):
         result = cls.load_state_dict(optimizer, *args, **kwargs)
-        optimizer.state = DeviceState(dict.items(optimizer.state), to_host_now, loaded_now)
+        watch_state()
         loaded_now()
         return result
 
     optimizer.__dict__.update(state_dict=state_dict, load_state_dict=load_state_dict)
-    optimizer.state = DeviceState(dict.items(optimizer.state), to_host_now, loaded_now)
+    watch_state()
 
 
 def release(optimizer: torch.optim.Optimizer) -> None:
