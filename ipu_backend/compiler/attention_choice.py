@@ -5,13 +5,10 @@ lowering in ``lowerings/attention.py``) or lets torch decompose it: decided at c
 import torch
 
 from ipu_backend.compiler import backend
+from ipu_backend.compiler.op_arguments import argument
 from ipu_backend.compiler.lowering_options import current_options
 
 HALF = (torch.float16, torch.bfloat16)
-
-
-def _argument(args, kwargs, index: int, name: str, default):
-    return args[index] if len(args) > index else kwargs.get(name, default)
 
 
 def kept_whole(query, key, value, *args, **kwargs) -> bool:
@@ -20,9 +17,9 @@ def kept_whole(query, key, value, *args, **kwargs) -> bool:
     mode = current_options().attention
     if mode == "decomposed" or (mode == "auto" and (backend.on_cpu() or query.dtype not in HALF)):
         return False
-    mask = _argument(args, kwargs, 0, "attn_mask", None)
-    dropout = _argument(args, kwargs, 1, "dropout_p", 0.0)
-    gqa = _argument(args, kwargs, 4, "enable_gqa", False)
+    mask = argument(args, kwargs, 0, "attn_mask", None)
+    dropout = argument(args, kwargs, 1, "dropout_p", 0.0)
+    gqa = argument(args, kwargs, 4, "enable_gqa", False)
     tensors = (query, key, value)
     if not isinstance(dropout, (int, float)) or dropout != 0 or any(
             not isinstance(t, torch.Tensor) or t.ndim < 3 or t.ndim != query.ndim for t in tensors):

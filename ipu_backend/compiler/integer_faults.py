@@ -19,6 +19,7 @@ import torch
 from ipu_backend.compiler.dtypes import INT32_MAX, INT32_MIN
 from ipu_backend.compiler import index_bounds
 from ipu_backend.compiler.integer_ranges import CONVERSION, DIVISION, INDEX, OVERFLOW
+from ipu_backend.compiler.op_arguments import argument
 from ipu_backend.compiler.lowerings import views
 from ipu_backend.compiler.runtime_checks import report
 from ipu_backend.errors import Error
@@ -81,8 +82,8 @@ def _scatter(x, dim, index, src, reduce="add"):
     return _scatter_reduce(x, dim, index, src, "prod" if reduce == "multiply" else "sum")
 
 
-def _scatter_reduce(x, dim, index, src, reduce, include_self=True):
-    return views.scatter_reduced(x, views.scatter_updates(src, index, jnp.float32),
+def _scatter_reduce(x, dim, index, src, reduce, include_self=True, dtype=jnp.float32):
+    return views.scatter_reduced(x, views.scatter_updates(src, index, dtype),
                                  views.scatter_positions(index, dim),
                                  "sum" if reduce == "mean" else reduce, include_self)
 
@@ -126,12 +127,8 @@ def _sum_error(node, args, kwargs, result):
     estimate = compute(*floats, **kwargs)
     absolute = {key: abs(value) if key in ("beta", "alpha") else value for key, value in kwargs.items()}
     bound = count_terms(*args) * 2.0 ** -23 * compute(*magnitudes, **absolute)
-    if node.target is aten.scatter_reduce.two:
-        named = dict(zip(("x", "dim", "index", "src", "reduce", "include_self"), args), **kwargs)
-        if named["reduce"] == "mean":
-            result = views.scatter_reduced(
-                named["x"], views.scatter_updates(named["src"], named["index"], named["x"].dtype),
-                views.scatter_positions(named["index"], named["dim"]), "sum", named.get("include_self", True))
+    if node.target is aten.scatter_reduce.two and argument(args, kwargs, 4, "reduce", None) == "mean":
+        result = _scatter_reduce(*args, **kwargs, dtype=args[0].dtype)
     return jnp.abs(jnp.asarray(result, jnp.float32) - estimate) + bound
 
 

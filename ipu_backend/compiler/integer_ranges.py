@@ -17,6 +17,7 @@ import torch
 
 from ipu_backend.compiler import index_bounds
 from ipu_backend.compiler.dtypes import INT32_MAX, INT32_MIN
+from ipu_backend.compiler.op_arguments import argument
 
 aten = torch.ops.aten
 
@@ -222,10 +223,6 @@ def _rule(node, intervals):
     return None
 
 
-def _argument(node, position: int, name: str, default):
-    return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
-
-
 def _matrix_product(node, intervals):
     """``terms`` products of the factors summed, plus ``beta`` times the bias in the add forms."""
     adds = node.target not in (aten.mm.default, aten.bmm.default)
@@ -237,7 +234,8 @@ def _matrix_product(node, intervals):
     total = (terms * min(product[0], 0), terms * max(product[1], 0))
     if not adds:
         return total
-    beta, alpha = _argument(node, 3, "beta", 1), _argument(node, 4, "alpha", 1)
+    beta, alpha = (argument(node.args, node.kwargs, 3, "beta", 1),
+                   argument(node.args, node.kwargs, 4, "alpha", 1))
     if not (isinstance(beta, int) and isinstance(alpha, int)):
         return _UNBOUNDED
     bias, scaled = _interval(node.args[0], intervals), _span(alpha * total[0], alpha * total[1])
@@ -252,14 +250,15 @@ def _scattered(node, intervals):
     x = _interval(node.args[0], intervals)
     if target is aten.index_put.default:
         values = _interval(node.args[2], intervals)
-        if not _argument(node, 3, "accumulate", False):
+        if not argument(node.args, node.kwargs, 3, "accumulate", False):
             return _span(*x, *values)
         shapes = [index.meta["val"].shape for index in node.args[1] if index is not None]
         terms, reduce = math.prod(torch.broadcast_shapes(*shapes)) if shapes else 1, "sum"
     else:
         values = _interval(node.args[3], intervals)
         terms = node.args[2].meta["val"].numel()
-        reduce = "sum" if target is aten.scatter_add.default else _argument(node, 4, "reduce", None)
+        reduce = ("sum" if target is aten.scatter_add.default
+                  else argument(node.args, node.kwargs, 4, "reduce", None))
         reduce = {"add": "sum", "multiply": "prod"}.get(reduce, reduce)
     if reduce in ("sum", "mean"):
         return (min(x[0], 0) + terms * min(values[0], 0), max(x[1], 0) + terms * max(values[1], 0))
