@@ -1,72 +1,191 @@
-"""Attributes a step assigns on its module: refused, since the host would never see them.
+"""Attributes a step assigns on its module: carried to the host after each call, or refused.
 
-On the CPU a step's Python runs per batch, so ``self.seen += len(x)`` counts samples and
-``self.last_loss = loss`` keeps the latest loss for a hook to read. A compiled step's Python runs
-once, at capture, and torch.export puts the module's attributes back afterwards: the counter would
-stay where it was, the tensor never arrive. Such writes to the public attributes of the module's
-tree (a number changed, a tensor assigned, also into a dict the module holds) are refused with the
-ways that work: a hook that runs on the host, a list the step appends to (``list_appends``),
-``self.log``, or a buffer written in place. Other assignments (a cache of a Python value the step
-computes the same way at every capture) are left alone.
+On the CPU a step's Python runs per batch, so ``self.warmed_up = True`` is on the module after the
+step, ``self.seen += len(x)`` counts samples and ``self.last_loss = loss`` keeps the latest loss
+for a hook to read. A compiled step's Python runs once, at capture, and torch.export puts the
+module's attributes back afterwards. So, for the attributes of the module's tree (its own and
+its submodules', private ones too, torch's own bookkeeping aside) and the entries of the dicts
+they hold:
+
+- a Python value the step leaves different (a flag, a string, a new number, any object without
+  tensors) is an :class:`Assignment`, which the Lightning face makes on the host after each
+  call. A value the step reads and changes is a guard of the program (``python_reads``), so
+  the next call captures the step again with the new value; a call that runs several steps,
+  whose later steps would see the new value on the CPU, is refused
+  (:func:`refuse_read_and_changed`);
+- a number the step reads and changes (a counter) and a tensor assigned are refused, with the
+  ways that work: a hook that runs on the host, a list the step appends to (``list_appends``),
+  ``self.log``, or a buffer written in place.
 """
 
 import contextlib
+import weakref
+from dataclasses import dataclass
 
 import torch
+import torch.utils._pytree as torch_pytree
 
 from ipu_backend.compiler import list_appends, python_reads
 from ipu_backend.errors import Error
 
 _NUMBERS = (int, float)
-_MISSING = object()
+_MODULE_STATE = frozenset(vars(torch.nn.Module()))
+"""What every module holds for torch itself (parameters, buffers, submodules, hooks, ``training``)."""
 
 _WAYS = ("keep it in a hook that runs on the host (on_train_batch_end, on_validation_batch_end), append it "
          "to a list the module holds (self.values.append(...)), log it (self.log), or write it into a "
          "buffer in place (self.register_buffer(...) in __init__, then .copy_() or +=)")
 
 
-def _public(module: torch.nn.Module) -> dict:
-    return {name: value for name, value in vars(module).items() if not name.startswith("_")}
+ENTIRE = object()
+"""An :class:`Assignment`'s ``key`` when it sets the attribute itself."""
+
+
+@dataclass(frozen=True, eq=False)
+class Assignment:
+    """``self.<path>.<name> = value`` (or ``self.<path>.<name>[key] = value`` when ``key`` is not
+    :data:`ENTIRE`), as the step left it."""
+
+    module: weakref.ref
+    path: str
+    name: str
+    key: object
+    value: object
+    """What the step left; ``python_reads.MISSING`` where it deleted the attribute or entry."""
+
+    @property
+    def where(self) -> str:
+        attribute = list_appends.where(self.path, self.name)
+        return attribute if self.key is ENTIRE else f"{attribute}[{self.key!r}]"
+
+    def apply(self) -> None:
+        """Make the assignment on the host module (nothing once the module is gone)."""
+        module = self.module()
+        if module is None:
+            return
+        owner, key = (module.__dict__, self.name) if self.key is ENTIRE else (getattr(module, self.name), self.key)
+        if self.value is python_reads.MISSING:
+            owner.pop(key, None)
+        else:
+            owner[key] = self.value
+
+    def changes(self, read: python_reads.Read) -> bool:
+        """Whether ``read`` (a guard of the same attribute, made at capture) saw another value
+        than the step leaves."""
+        current = read.current()                   # the host's value, as it was before the step
+        if self.key is ENTIRE or not isinstance(current, dict):
+            return not read.holds(self.value)
+        entries = dict(current)
+        if self.value is python_reads.MISSING:
+            entries.pop(self.key, None)
+        else:
+            entries[self.key] = self.value
+        return not read.holds(entries)
+
+
+def _attributes(module: torch.nn.Module) -> dict:
+    return {name: value for name, value in vars(module).items() if name not in _MODULE_STATE}
 
 
 def _held(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, dict, dict]]:
-    """Each module of the tree (torchmetrics objects aside) with its public attributes and a
-    copy of each dict among them."""
+    """Each module of the tree (torchmetrics objects aside) with its attributes and a copy of
+    each dict among them."""
     held = []
     for path, submodule in python_reads.guarded_modules(module):
-        attributes = _public(submodule)
+        attributes = _attributes(submodule)
         dicts = {name: dict(value) for name, value in attributes.items() if type(value) is dict}
         held.append((path, submodule, attributes, dicts))
     return held
 
 
-def _written(path: str, submodule: torch.nn.Module, before: dict, dicts: dict) -> str | None:
-    """What the step wrote that the host would not see, described, or None."""
-    for name, value in _public(submodule).items():
-        where = list_appends.where(path, name)
-        old = before.get(name, _MISSING)
-        if value is old:
-            entries = dicts.get(name)
-            if entries is not None:
-                for key, item in value.items():
-                    if isinstance(item, torch.Tensor) and item is not entries.get(key):
-                        return f"assigns a tensor to {where}[{key!r}]"
-            continue
-        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-            return f"assigns a tensor to {where}"
-        if type(old) in _NUMBERS and type(value) in _NUMBERS and old != value:
-            return f"changes {where} ({old!r} -> {value!r})"
+def _changed(before: dict, after: dict):
+    """``(key, old, new)`` for each key whose value differs between the two mappings
+    (``python_reads.MISSING`` where there is none)."""
+    for name in after.keys() | before.keys():
+        old, new = before.get(name, python_reads.MISSING), after.get(name, python_reads.MISSING)
+        if new is not old:
+            yield name, old, new
+
+
+def _changes(before: dict, dicts: dict, after: dict):
+    """``(name, key, old, new)`` for each attribute, or entry of a dict attribute, that the step
+    left different (``python_reads.MISSING`` where there was none, or is none now)."""
+    for name, old, new in _changed(before, after):
+        yield name, ENTIRE, old, new
+    for name, entries in dicts.items():
+        if after.get(name) is before[name]:
+            for key, old, new in _changed(entries, after[name]):
+                yield name, key, old, new
+
+
+def _refusal(where: str, old, new, read: bool) -> str | None:
+    """Why the step's change of ``where`` cannot be carried to the host, or None."""
+    if any(isinstance(leaf, torch.Tensor) and not isinstance(leaf, torch.nn.Parameter)
+           for leaf in torch_pytree.tree_leaves(new)):
+        return f"assigns a tensor to {where}"
+    if read and type(old) in _NUMBERS and type(new) in _NUMBERS and old != new:
+        return f"changes {where} ({old!r} -> {new!r})"
     return None
 
 
-@contextlib.contextmanager
-def refused(module: torch.nn.Module, what: str = "the step"):
-    """An error, when the block (``what``, captured) ends, naming an attribute of ``module``'s
-    tree it wrote as described in the module docstring."""
-    held = _held(module)
-    yield
-    for path, submodule, before, dicts in held:
-        written = _written(path, submodule, before, dicts)
-        if written is not None:
-            raise Error(f"{what} {written}: a compiled step's Python runs once, at capture, not per "
+def _same(old, new) -> bool:
+    """Equal plain values (``python_reads.snapshot``): an assignment that changes nothing."""
+    frozen = python_reads.snapshot(old)
+    return frozen is not None and python_reads.holds(frozen, new)
+
+
+def _assignments(path: str, submodule: torch.nn.Module, before: dict, dicts: dict) -> list[Assignment]:
+    """The step's changes to ``submodule``'s attributes, refused as the module docstring says."""
+    notes = python_reads.noted(submodule)
+    found = []
+    for name, key, old, new in _changes(before, dicts, _attributes(submodule)):
+        attribute = list_appends.where(path, name)
+        where = attribute if key is ENTIRE else f"{attribute}[{key!r}]"
+        refusal = _refusal(where, old, new, read=notes is None or name in notes)
+        if refusal is not None:
+            raise Error(f"the step {refusal}: a compiled step's Python runs once, at capture, not per "
                         f"batch, and the module keeps its attributes as they were; {_WAYS}")
+        if old is python_reads.MISSING or new is python_reads.MISSING or not _same(old, new):
+            found.append(Assignment(weakref.ref(submodule), path, name, key, new))
+    return found
+
+
+@contextlib.contextmanager
+def noted(module: torch.nn.Module):
+    """While the block (a step, captured) runs, note what it assigns on ``module``'s tree: the
+    list it yields holds the :class:`Assignment` s once the block ends, or an error names a
+    write the host cannot be given (see the module docstring)."""
+    held = _held(module)
+    found: list[Assignment] = []
+    yield found
+    for path, submodule, before, dicts in held:
+        found.extend(_assignments(path, submodule, before, dicts))
+
+
+def differing(first, second) -> str | None:
+    """An attribute (``self.<path>.<name>``) that two captures' assignments leave different, or None."""
+    def by_place(assignments):
+        return {(a.path, a.name, a.key): a for a in assignments}
+    ones, others = by_place(first), by_place(second)
+    for place in ones.keys() | others.keys():
+        one, other = ones.get(place), others.get(place)
+        if one is None or other is None or not (one.value is other.value or _same(one.value, other.value)):
+            return (one or other).where
+    return None
+
+
+def refuse_read_and_changed(assignments, reads, steps_per_call: int, what: str) -> None:
+    """An error when a call runs several steps (``steps_per_call``: device iterations ×
+    micro-batches) and ``what`` changes a value it reads (a guard among ``reads``): on the CPU the
+    steps after the first would see the new value, while one call runs them all as captured."""
+    if steps_per_call == 1:
+        return
+    guards = {(id(read.module()), read.name): read for read in reads if isinstance(read, python_reads.Read)}
+    for assignment in assignments:
+        read = guards.get((id(assignment.module()), assignment.name))
+        if read is not None and assignment.changes(read):
+            raise Error(f"the {what} reads {assignment.where} and changes it: on the CPU the later of the "
+                        f"{steps_per_call} steps one call runs (device iterations x gradient accumulation) "
+                        "would see the new value, but a compiled call runs them all as captured. Change it "
+                        "in a hook that runs on the host between calls (on_train_batch_start), or run one "
+                        "step per call")

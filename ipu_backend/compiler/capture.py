@@ -129,10 +129,12 @@ def _recording_logs(module: torch.nn.Module, recorder: _LogRecorder):
 
 
 class _Taken:
-    """The guards of a step's last trace (kept off lists: export restores the module's
-    attributes after tracing)."""
+    """The guards of a step's last trace and the assignments it made on its module
+    (``attribute_writes``), kept off lists: export restores the module's attributes after
+    tracing."""
 
     guards: list = []
+    assignments: list = []
 
 
 class StepCall(torch.nn.Module):
@@ -156,7 +158,7 @@ class StepCall(torch.nn.Module):
 
     def forward(self, *args):
         self.recorder.reset()
-        self.taken.guards = []
+        self.taken.guards, self.taken.assignments = [], []
         adapt = _STEP_ARGUMENTS.get()[0]
         scope = contextlib.nullcontext()
         tracking = contextlib.nullcontext()
@@ -167,12 +169,14 @@ class StepCall(torch.nn.Module):
             if adapt is not None:
                 args, scope = adapt(self.module, args)
             with (_recording_logs(self.module, self.recorder), metric_states.lifted(self.module) as metrics,
-                  list_appends.watching(self.module) as watch, attribute_writes.refused(self.module), scope):
+                  list_appends.watching(self.module) as watch, attribute_writes.noted(self.module) as assigned,
+                  scope):
                 result = getattr(self.module, self.method)(*args)
                 specs, values = metric_states.updated_states(metrics)
                 appends = watch.appends()
         if tracked is not None:
             self.taken.guards = list(tracked.guards)
+        self.taken.assignments = list(assigned)
         self.recorder.calls.extend(LogCall(spec.key, state=spec) for spec in specs)
         self.recorder.calls.extend(LogCall(append.name, appended=append) for append, _ in appends)
         return result, list(self.recorder.tensors) + values + [tensor for _, tensor in appends]

@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _python_dispatch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ipu_backend.compiler import attribute_writes
 from ipu_backend.compiler.sources import calling_user_location
 from ipu_backend.errors import Error
 
@@ -263,6 +264,11 @@ def _check_same_structure(a: Variant, b: Variant) -> None:
     elif (pa.mutated_buffers, pa.mutated_inputs, pa.stacks, pa.keywords) != (
             pb.mutated_buffers, pb.mutated_inputs, pb.stacks, pb.keywords):
         difference = "they update different buffers or inputs in place"
+    else:
+        differing = attribute_writes.differing(pa.assignments, pb.assignments)
+        if differing is not None:
+            difference = (f"they leave {differing} different (the host makes a step's assignments after "
+                          "each call, the same for every micro-batch)")
     if difference is None:
         return
     raise Error(f"the branches of the Python `if` at {diverging_line(a, b)} differ: {difference}. A step "

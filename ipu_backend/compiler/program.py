@@ -140,6 +140,9 @@ class Program:
     guards: tuple = ()
     """The Python values the capture took from tensors of ``host_input``, in order
     (:class:`~ipu_backend.compiler.host_branches.Guard`): the branches this capture follows."""
+    assignments: tuple = ()
+    """What a step method assigned on its module's tree, made on the host after each call
+    (:class:`~ipu_backend.compiler.attribute_writes.Assignment`)."""
     variants: tuple = ()
     """The captures (:class:`~ipu_backend.compiler.host_branches.Variant`) of a step that
     branches on ``host_input``: each micro-batch runs the one whose guards hold for it. With
@@ -257,8 +260,8 @@ def compile_module(module: torch.nn.Module, example_args: tuple, method: str | N
     guards = () if method is None else tuple(target.taken.guards)
     reads = (_without_appended_lists(reads, program.logs) + names + python_reads.tensor_attributes(module)
              + (python_reads.HookGuard(module),))
-    return replace(program, python_reads=reads, guards=guards,
-                   host_input=host_input if guards else None)
+    return replace(program, python_reads=reads, guards=guards, host_input=host_input if guards else None,
+                   assignments=() if method is None else tuple(target.taken.assignments))
 
 
 def split_keywords(inputs: tuple, keywords: tuple[str, ...]) -> tuple[tuple, dict]:

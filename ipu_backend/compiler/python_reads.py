@@ -233,6 +233,12 @@ def _tracking_class(cls: type) -> type:
     return tracking
 
 
+def noted(module: torch.nn.Module) -> dict | None:
+    """The plain attributes a capture now running has read of ``module`` so far (name -> value
+    first seen), or None when no capture notes its reads."""
+    return _NOTES.get(id(module))
+
+
 def every_attribute(module: torch.nn.Module) -> tuple[Read, ...]:
     """A :class:`Read` of every plain attribute of ``module``'s tree, read or not: the guards of a
     capture whose reads could not be noted (torch traces ``torch.cond`` branches with its

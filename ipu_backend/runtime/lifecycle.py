@@ -24,7 +24,8 @@ import numpy as np
 import torch
 import torch.utils._pytree as torch_pytree
 
-from ipu_backend.compiler import containers, decomposition_cache, optimizer_reads, python_reads, runtime_checks
+from ipu_backend.compiler import (attribute_writes, containers, decomposition_cache, optimizer_reads, python_reads,
+                                  runtime_checks)
 from ipu_backend.compiler.capture import refuse_backward_hooks
 from ipu_backend.errors import Error
 from ipu_backend.runtime import (
@@ -445,10 +446,15 @@ class Executor:
               optimizer_reads.recorded(self._torch_optimizers()) as reads):
             yield reads
 
-    @staticmethod
-    def _guarded(program, reads: list):
-        """``program`` guarded by ``reads`` too (what :meth:`_capturing` noted)."""
-        return dataclasses.replace(program, python_reads=program.python_reads + tuple(reads))
+    def _guarded(self, program, reads: list):
+        """``program`` guarded by ``reads`` too (what :meth:`_capturing` noted); refused when a
+        call runs several steps and the step changes a value it reads (``attribute_writes``)."""
+        program = dataclasses.replace(program, python_reads=program.python_reads + tuple(reads))
+        schedule = self._schedule()
+        attribute_writes.refuse_read_and_changed(program.assignments, program.python_reads,
+                                                 schedule.device_iterations * schedule.accumulation,
+                                                 self._step_method or "model")
+        return program
 
     def _entry_key(self, shared_key: tuple | None) -> str | None:
         """The key in this executor's executable cache of the program with ``shared_key`` (None:

@@ -1,6 +1,7 @@
-"""A step's writes to its module's attributes: the host never sees them (the step's Python runs
-once, at capture), so a changed counter or an assigned tensor is refused by name, while writes
-the compiled step keeps (a tensor attribute changed in place) equal the CPU's."""
+"""A step's writes to its module's attributes: the step's Python runs once, at capture, so the
+Python values it assigns are made on the host after each call (a flag it reads and flips
+captures the step again), equal to the CPU's; a counter, an assigned tensor, and a value read and
+changed by a call of several steps are refused by name."""
 
 import lightning.pytorch as pl
 import pytest
@@ -8,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import ipu_backend
-from tests.lightning.helpers import ATOL, QUIET, RTOL, dataset, loader, twins
+from lightning_ipu import IPUStrategy
+from tests.lightning.helpers import ATOL, QUIET, RTOL, assert_same_weights, dataset, loader, twins
 
 
 class Writes(pl.LightningModule):
@@ -42,10 +44,21 @@ class SumsInPlace(Writes):
         self.total += self.loss(batch).detach()
 
 
+class CountsInADict(Writes):
+    def validation_step(self, batch, batch_idx):
+        self.stats["seen"] = self.stats.get("seen", 0) + batch[0].shape[0]
+
+
+class KeepsItPrivately(Writes):
+    def validation_step(self, batch, batch_idx):
+        self._last = self.loss(batch)
+
+
 @pytest.mark.parametrize("module, message", [
     (CountsSamples, r"the step changes self.seen \(0 -> 4\).*hook that runs on the host"),
     (KeepsTheLastLoss, r"the step assigns a tensor to self.last:.*append it to a list"),
     (KeepsItInADict, r"the step assigns a tensor to self.stats\['loss'\]:.*buffer in place"),
+    (KeepsItPrivately, r"the step assigns a tensor to self._last:"),
 ])
 def test_a_step_that_changes_a_counter_or_assigns_a_tensor_is_refused(module, message):
     with pytest.raises(ipu_backend.Error, match=message):
@@ -58,3 +71,106 @@ def test_a_tensor_attribute_changed_in_place_and_a_cached_python_value_are_kept(
         pl.Trainer(accelerator=accelerator, devices=1, **QUIET).validate(module, loader(dataset(16), 4), verbose=False)
     torch.testing.assert_close(ipu.total, cpu.total, rtol=RTOL, atol=ATOL)
     assert cpu.total > 0
+
+
+class Flags(pl.LightningModule):
+    """Python values a training step assigns: read and flipped once, or only set."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 2)
+        self.warm, self._private_warm, self.phase, self.options, self.gone = True, True, "start", {"warm": True}, 1
+        self.sub = torch.nn.Module()
+        self.sub.seen = False
+
+    def loss(self, batch):
+        return F.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def state(self):
+        return (self.warm, self._private_warm, self.phase, dict(self.options), hasattr(self, "gone"),
+                getattr(self, "batch", None), self.sub.seen)
+
+
+class FlipsAFlag(Flags):
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        if self.warm:
+            loss, self.warm = loss * 0.1, False
+        return loss
+
+
+class FlipsAPrivateFlag(Flags):
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        if self._private_warm:
+            loss, self._private_warm = loss * 0.1, False
+        return loss
+
+
+class MovesToAPhase(Flags):
+    def training_step(self, batch, batch_idx):
+        scale = 0.1 if self.phase == "start" else 1.0
+        self.phase = "running"
+        return self.loss(batch) * scale
+
+
+class FlipsADictEntry(Flags):
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        if self.options["warm"]:
+            loss, self.options["warm"] = loss * 0.1, False
+        return loss
+
+
+class OnlySets(Flags):
+    def training_step(self, batch, batch_idx):
+        self.sub.seen, self.batch = True, batch[0].shape[0]
+        return self.loss(batch)
+
+
+class DeletesOne(Flags):
+    def training_step(self, batch, batch_idx):
+        if hasattr(self, "gone"):
+            del self.gone
+        return self.loss(batch)
+
+
+@pytest.mark.parametrize("module", [FlipsAFlag, FlipsAPrivateFlag, MovesToAPhase, FlipsADictEntry, OnlySets,
+                                    DeletesOne])
+def test_python_values_a_step_assigns_reach_the_host_and_train_as_on_the_cpu(module):
+    ipu, cpu = twins(module)
+    for model, accelerator in ((ipu, "ipu"), (cpu, "cpu")):
+        pl.Trainer(accelerator=accelerator, devices=1, max_epochs=1, **QUIET).fit(model, loader(dataset(16), 4))
+    assert ipu.state() == cpu.state() != Flags().state()
+    assert_same_weights(ipu, cpu)
+
+
+def test_a_value_only_set_reaches_the_host_from_a_call_of_several_steps():
+    ipu, cpu = twins(OnlySets)
+    pl.Trainer(accelerator="ipu", devices=1, max_epochs=1, strategy=IPUStrategy(device_iterations=2),
+               **QUIET).fit(ipu, loader(dataset(16), 4))
+    pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, **QUIET).fit(cpu, loader(dataset(16), 4))
+    assert ipu.state() == cpu.state()
+    assert_same_weights(ipu, cpu)
+
+
+@pytest.mark.parametrize("module", [FlipsAFlag, FlipsADictEntry])
+def test_a_value_read_and_changed_in_a_call_of_several_steps_is_refused(module):
+    with pytest.raises(ipu_backend.Error, match=r"training_step reads self\.(warm|options\['warm'\]) and changes "
+                                                r"it: .*2 steps one call runs.*on_train_batch_start"):
+        pl.Trainer(accelerator="ipu", devices=1, max_epochs=1, strategy=IPUStrategy(device_iterations=2),
+                   **QUIET).fit(module(), loader(dataset(16), 4))
+
+
+class TagsTheFirstBatch(Flags):
+    def training_step(self, batch, batch_idx):
+        self.phase = "first" if batch_idx == 0 else "later"
+        return self.loss(batch)
+
+
+def test_branches_on_batch_idx_that_assign_different_values_are_refused():
+    with pytest.raises(ipu_backend.Error, match=r"the Python `if` .* differ: they leave self.phase different"):
+        pl.Trainer(accelerator="ipu", devices=1, max_epochs=1, **QUIET).fit(TagsTheFirstBatch(), loader(dataset(16), 4))
