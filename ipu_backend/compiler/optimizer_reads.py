@@ -1,19 +1,22 @@
-"""Optimizer hyper-parameters a step reads in Python (``self.optimizers().param_groups[0]["lr"]``,
-to log the learning rate or scale a loss by it): guards of the program, as the module's plain
-attributes are (``python_reads``).
+"""Optimizer hyper-parameters a step reads in Python (``self.optimizers().param_groups[0]["lr"]``
+or ``self.lr_schedulers().get_last_lr()``, to log the learning rate or scale a loss by it):
+guards of the program, as the module's plain attributes are (``python_reads``).
 
 The compiled update takes the optimizer's hyper-parameters as inputs, but a value the step itself
 reads is a Python number, baked into the program at capture, which a scheduler then changes on the
 host. While a step is captured, each param group of the executor's optimizers stands in as a copy
-that notes the keys read; each read becomes a :class:`GroupRead`, and a change of its value
-captures the step again.
+that notes the keys read, and torch's schedulers note the calls of their ``get_last_lr``; each
+read becomes a :class:`GroupRead` or a :class:`SchedulerRead`, and a change of its value captures
+the step again.
 """
 
 import contextlib
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 
 from ipu_backend.compiler import global_reads, python_reads
 
@@ -56,12 +59,53 @@ class GroupRead:
         return python_reads.holds(self.value, value)
 
 
+@dataclass(frozen=True, eq=False)
+class SchedulerRead:
+    """``<scheduler>.get_last_lr()`` called during a capture, its value then (a
+    ``python_reads.snapshot``); the scheduler is held weakly."""
+
+    scheduler: weakref.ref
+    attribute: str
+    value: object
+
+    def current(self):
+        scheduler = self.scheduler()
+        return python_reads.MISSING if scheduler is None else scheduler.get_last_lr()
+
+    def holds(self, value) -> bool:
+        return python_reads.holds(self.value, value)
+
+
+@contextlib.contextmanager
+def _scheduler_reads(reads: list):
+    """While the block runs, the user's calls of any torch scheduler's ``get_last_lr`` are noted:
+    a :class:`SchedulerRead` of each scheduler (plain values only) goes to ``reads`` when it ends."""
+    original = LRScheduler.get_last_lr
+    seen: dict = {}
+
+    def get_last_lr(self):
+        value = original(self)
+        if id(self) not in seen and not global_reads.is_library(sys._getframe(1).f_code.co_filename):
+            seen[id(self)] = (weakref.ref(self), python_reads.snapshot(value))
+        return value
+
+    LRScheduler.get_last_lr = get_last_lr
+    try:
+        yield
+    finally:
+        LRScheduler.get_last_lr = original
+        for scheduler, frozen in seen.values():
+            if frozen is not None and scheduler() is not None:
+                reads.append(SchedulerRead(scheduler, f"{type(scheduler()).__name__}.get_last_lr()", frozen))
+
+
 @contextlib.contextmanager
 def recorded(optimizers: list[torch.optim.Optimizer | None]):
-    """While the block runs, note the keys read from ``optimizers``' param groups; the list it
-    yields holds their :class:`GroupRead` once the block ends (plain values only: a tensor
-    hyper-parameter is not a guard)."""
-    reads: list[GroupRead] = []
+    """While the block runs, note the keys read from ``optimizers``' param groups and the calls of
+    schedulers' ``get_last_lr``; the list it yields holds their :class:`GroupRead` and
+    :class:`SchedulerRead` once the block ends (plain values only: a tensor hyper-parameter is not
+    a guard)."""
+    reads: list = []
     swapped = []
     for optimizer in filter(None, optimizers):
         for index, group in enumerate(optimizer.param_groups):
@@ -69,7 +113,8 @@ def recorded(optimizers: list[torch.optim.Optimizer | None]):
             optimizer.param_groups[index] = _Noting(group, noted)
             swapped.append((optimizer, index, group, noted))
     try:
-        yield reads
+        with _scheduler_reads(reads):
+            yield reads
     finally:
         for optimizer, index, group, noted in swapped:
             optimizer.param_groups[index] = group

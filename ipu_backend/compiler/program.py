@@ -26,7 +26,7 @@ from ipu_backend.compiler import (
 )
 from ipu_backend.compiler.dtypes import to_jax
 from ipu_backend.compiler.global_reads import NameRead
-from ipu_backend.compiler.optimizer_reads import GroupRead
+from ipu_backend.compiler.optimizer_reads import GroupRead, SchedulerRead
 from ipu_backend.compiler.python_reads import HookGuard, Read
 from ipu_backend.compiler.sources import user_location
 from ipu_backend.errors import Error
@@ -124,12 +124,12 @@ class Program:
     """Other names of tied parameters and buffers -> the name the program reads them under."""
     keywords: tuple[str, ...] = ()
     """The names under which the last inputs are passed by keyword."""
-    python_reads: tuple[Read | NameRead | HookGuard | GroupRead, ...] = ()
+    python_reads: tuple[Read | NameRead | HookGuard | GroupRead | SchedulerRead, ...] = ()
     """The plain Python attributes of the module that the capture read, the globals and closure
     variables its code can read (``global_reads``), its tensor constants and its hooks, and the
-    optimizer hyper-parameters a step read (``optimizer_reads``, added by the executor that owns
-    the optimizers), with their values: the program is what the module computes only while they
-    keep them (``python_reads.changed``)."""
+    optimizer hyper-parameters a step read from param groups or schedulers (``optimizer_reads``,
+    added by the executor that owns the optimizers), with their values: the program is what the
+    module computes only while they keep them (``python_reads.changed``)."""
     identity: str | None = None
     """What the program computes, as a digest (:mod:`~ipu_backend.compiler.identity`): equal for
     captures that lower to the same function, None when some value in it has no stable

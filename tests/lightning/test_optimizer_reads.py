@@ -1,5 +1,5 @@
-"""A step that reads its optimizer's learning rate in Python (to log it, or to scale its loss)
-sees the rate the scheduler set, as on the CPU: the value read is a guard of the compiled step,
+"""A step that reads its optimizer's learning rate in Python (to log it, or to scale its loss),
+from the param groups or from the scheduler, sees the rate the scheduler set, as on the CPU: the value read is a guard of the compiled step,
 which is captured again when it changes. fp32: 1e-5 relative (1e-6 absolute)."""
 
 import lightning.pytorch as pl
@@ -16,8 +16,11 @@ class ScalesByTheRate(pl.LightningModule):
         self.net = torch.nn.Linear(4, 2)
         self.rates = []
 
+    def rate(self):
+        return self.optimizers().param_groups[0]["lr"]
+
     def training_step(self, batch, batch_idx):
-        rate = self.optimizers().param_groups[0]["lr"]
+        rate = self.rate()
         self.log("lr", rate)
         return F.mse_loss(self.net(batch[0]), batch[1]) * (rate * 10)
 
@@ -29,8 +32,14 @@ class ScalesByTheRate(pl.LightningModule):
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
 
 
-def test_a_learning_rate_read_in_the_step_follows_the_scheduler():
-    ipu, cpu = twins(ScalesByTheRate)
+class AsksTheScheduler(ScalesByTheRate):
+    def rate(self):
+        return self.lr_schedulers().get_last_lr()[0]
+
+
+@pytest.mark.parametrize("module", [ScalesByTheRate, AsksTheScheduler])
+def test_a_learning_rate_read_in_the_step_follows_the_scheduler(module):
+    ipu, cpu = twins(module)
     for module, accelerator in ((ipu, "ipu"), (cpu, "cpu")):
         pl.Trainer(accelerator=accelerator, devices=1, max_epochs=3, **QUIET).fit(module, loader(dataset(8), 4))
     assert cpu.rates == pytest.approx([0.1, 0.1, 0.05, 0.05, 0.025, 0.025])
