@@ -13,6 +13,7 @@ import weakref
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from ipu_backend.compiler.host_random import kept as random_states_kept
 from ipu_backend.compiler.list_appends import on_host
 
 _FUNCTIONS: "weakref.WeakValueDictionary[str, HostFunction]" = weakref.WeakValueDictionary()
@@ -49,7 +50,7 @@ def host_call(inputs: list[torch.Tensor], key: str) -> list[torch.Tensor]:
 
 @host_call.register_fake
 def _(inputs, key):
-    with unset_fake_temporarily(), on_host():
+    with unset_fake_temporarily(), on_host(), random_states_kept():
         zeros = [torch.zeros(tuple(x.shape), dtype=x.dtype) for x in inputs]
         shapes = [(tuple(o.shape), o.dtype) for o in host_function(key)(*zeros)]
     return [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]

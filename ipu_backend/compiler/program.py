@@ -14,6 +14,7 @@ from ipu_backend.compiler import (
     capture,
     decomposition_cache,
     global_reads,
+    host_random,
     identity,
     index_bounds,
     interpreter,
@@ -236,14 +237,15 @@ def compile_module(module: torch.nn.Module, example_args: tuple, method: str | N
     start = time.time()
     args, kwargs = split_keywords(tuple(example_args), keywords)
     names = global_reads.reads(module, method)
-    try:
-        with python_reads.recorded(module) as reads:
+    with host_random.refused(module, method or "model's forward"):
+        try:
+            with python_reads.recorded(module) as reads:
+                exported, templates = _capture_forward(module, target, args, kwargs, runs, method)
+        except UncapturedHigherOrderOpError:
+            # torch.cond's branches are traced by torch's compiler, which cannot run the classes
+            # that note reads: capture again unnoted, guarded by every plain attribute.
             exported, templates = _capture_forward(module, target, args, kwargs, runs, method)
-    except UncapturedHigherOrderOpError:
-        # torch.cond's branches are traced by torch's compiler, which cannot run the classes
-        # that note reads: capture again unnoted, guarded by every plain attribute.
-        exported, templates = _capture_forward(module, target, args, kwargs, runs, method)
-        reads = python_reads.every_attribute(module)
+            reads = python_reads.every_attribute(module)
     end = time.time()
     jax.monitoring.record_event_duration_secs(CAPTURE_EVENT, end - start)
     jax.monitoring.record_event_time_span(CAPTURE_EVENT, start, end)
