@@ -19,15 +19,31 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from ipu_backend.compiler import global_reads, python_reads
+from ipu_backend.errors import Error
 
 
 class _Noting(dict):
     """A param group's copy noting the keys the user's code reads through it (library code, such
-    as the executor reading the hyper-parameters it feeds the update, is not the step's)."""
+    as the executor reading the hyper-parameters it feeds the update, is not the step's), and
+    refusing writes: the update reads the host's groups before each call, and the step's Python
+    runs once, so a value set in it would be lost."""
 
-    def __init__(self, group: dict, noted: set):
+    def __init__(self, group: dict, noted: set, attribute: str):
         super().__init__(group)
         self._noted = noted
+        self._attribute = attribute
+
+    def _refuse(self, key, *_):
+        raise Error(f"the step sets {self._attribute}[{key!r}] while it is captured: its Python runs once, at "
+                    "capture, and the compiled update reads the param groups from the host before each call, "
+                    "so the value would be lost. Set it on the host before the step: with a scheduler "
+                    "(torch.optim.lr_scheduler.LambdaLR for a warm-up), in on_train_batch_start, or in an "
+                    "optimizer_step override")
+
+    __setitem__ = __delitem__ = setdefault = pop = _refuse
+
+    def update(self, *args, **kwargs):
+        self._refuse(next(iter(dict(*args, **kwargs)), None))
 
     def __getitem__(self, key):
         self._note(key)
@@ -110,7 +126,7 @@ def recorded(optimizers: list[torch.optim.Optimizer | None]):
     for optimizer in filter(None, optimizers):
         for index, group in enumerate(optimizer.param_groups):
             noted: set = set()
-            optimizer.param_groups[index] = _Noting(group, noted)
+            optimizer.param_groups[index] = _Noting(group, noted, f"the optimizer's param_groups[{index}]")
             swapped.append((optimizer, index, group, noted))
     try:
         with _scheduler_reads(reads):
