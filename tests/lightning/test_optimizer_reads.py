@@ -96,8 +96,15 @@ class WarmsUpInAHook(WarmsUp):
         self.optimizers().param_groups[0]["lr"] = self.warmed_up_rate()
 
 
-def test_a_hyper_parameter_set_in_on_train_batch_start_trains_as_on_the_cpu():
-    ipu, cpu = twins(WarmsUpInAHook)
+class WarmsUpInOptimizerStep(WarmsUp):
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        optimizer.step(closure=optimizer_closure)
+        optimizer.param_groups[0]["lr"] = self.warmed_up_rate()
+
+
+@pytest.mark.parametrize("module", [WarmsUpInAHook, WarmsUpInOptimizerStep])
+def test_a_hyper_parameter_set_on_the_host_before_the_step_trains_as_on_the_cpu(module):
+    ipu, cpu = twins(module)
     for module, accelerator in ((ipu, "ipu"), (cpu, "cpu")):
         pl.Trainer(accelerator=accelerator, devices=1, max_epochs=1, **QUIET).fit(module, loader(dataset(32), 4))
     assert ipu.optimizers().param_groups[0]["lr"] == cpu.optimizers().param_groups[0]["lr"] == pytest.approx(0.1)
