@@ -15,6 +15,7 @@ import torch
 from ipu_backend.blocks import annotated_ipu_ids
 from ipu_backend.compiler.capture import step_arguments
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX, metrics_of
+from ipu_backend.compiler.python_reads import MISSING, value_guard
 from ipu_backend.distributed import environment as _environment
 from ipu_backend.distributed import init as join_processes
 from ipu_backend.distributed.collectives import all_gather, barrier, broadcast_object
@@ -29,10 +30,11 @@ from ipu_backend.runtime.manual import ManualStepExecutor, SchedulerStep, Step, 
 
 __all__ = [
     "DEFAULT_REPORT_DIR", "MK2", "TOTAL_SUFFIX", "GradientClipping", "ManualStepExecutor", "PoplarExecutor",
-    "SchedulerStep", "Step", "StepEvents", "all_gather", "annotated_ipu_ids", "barrier", "broadcast_object",
+    "MISSING", "SchedulerStep", "Step", "StepEvents", "all_gather", "annotated_ipu_ids", "barrier",
+    "broadcast_object",
     "compilations_shown_by",
     "coordinator_from_environment", "ipu_run_instance", "join_processes", "manual_step_executor",
-    "memory_in_use", "metrics_of", "step_arguments", "step_executor",
+    "memory_in_use", "metrics_of", "step_arguments", "step_executor", "value_guard",
 ]
 
 DEFAULT_REPORT_DIR = DEFAULT_DIR

@@ -7,35 +7,47 @@ same samples per optimizer step (a batch of ``replicas x batch_size``, the same 
 the replicas' micro-batches of one iteration and accumulation step form one batch: its
 ``batch_idx`` is ``(call x device_iterations + iteration) x gradient_accumulation +
 micro-batch``, and ``global_step`` is the optimizer steps done before it. So each call passes,
-per micro-batch, that batch index, the call's first ``global_step``, the iteration and the
-epoch; while the step is captured, ``batch_idx`` is the micro-batch's index and the module's
-trainer answers ``current_epoch`` and ``global_step`` from them (all 0-d tensors). With manual
+per micro-batch, that batch index, the call's first ``global_step``, the iteration, the epoch
+and whether its batch is the epoch's last; while the step is captured, ``batch_idx`` is the
+micro-batch's index and the module's trainer answers ``current_epoch``, ``global_step`` and
+``is_last_batch`` from them (all 0-d tensors). With manual
 optimization ``global_step`` counts every ``optimizer.step()``, those the step has made so far
 included, as on the CPU.
 
 A value read here is never baked into the program, so it is current in every step. The host
 knows each micro-batch's counters before the call, so a Python ``if`` on them (``if batch_idx %
-2 == 0``) is decided there, per micro-batch (``ipu_backend.compiler.host_branches``).
+2 == 0``) is decided there, per micro-batch (``ipu_backend.compiler.host_branches``). Any other
+plain value the step reads off its trainer (``self.trainer.sanity_checking``) is baked in, and a
+guard of the program: a change captures the step again.
 """
 
 import contextlib
+import functools
+import weakref
 from collections.abc import Callable
 
 import torch
 
-_BATCH, _FIRST_STEP, _ITERATION, _EPOCH = range(4)
+from ipu_backend import lightning_seam as seam
+
+_BATCH, _FIRST_STEP, _ITERATION, _EPOCH, _LAST = range(5)
 
 
 def per_micro_batch(batch_idx: int, global_step: int, epoch: int, iterations: int, accumulation: int,
-                    replicas: int) -> torch.Tensor:
-    """``[micro-batches, 4]`` int64: each micro-batch's CPU batch index, the call's first global
-    step, its iteration and the epoch."""
+                    replicas: int, last_batch: bool, training: bool) -> torch.Tensor:
+    """``[micro-batches, 5]`` int64: each micro-batch's CPU batch index, the call's first global
+    step, its iteration, the epoch, and whether its batch is the epoch's last training batch
+    (``trainer.is_last_batch``, ``last_batch`` for the call: in training only its last
+    micro-batches' batch is; an evaluation step sees the training loop's value)."""
     position = torch.arange(iterations * accumulation, dtype=torch.int64).repeat_interleave(replicas)
-    counters = torch.empty(position.shape[0], 4, dtype=torch.int64)
+    counters = torch.empty(position.shape[0], 5, dtype=torch.int64)
     counters[:, _BATCH] = batch_idx * iterations * accumulation + position
     counters[:, _FIRST_STEP] = global_step
     counters[:, _ITERATION] = position // accumulation
     counters[:, _EPOCH] = epoch
+    counters[:, _LAST] = last_batch and not training
+    if training and last_batch:
+        counters[:, _LAST] = position == iterations * accumulation - 1
     return counters
 
 
@@ -50,17 +62,23 @@ def automatic_steps() -> tuple[int, int]:
 
 
 class _CountingTrainer:
-    """The trainer as a captured step sees it: ``current_epoch`` and ``global_step`` come from
-    the program's inputs; everything else is the trainer's own."""
+    """The trainer as a captured step sees it: ``current_epoch``, ``global_step`` and
+    ``is_last_batch`` come from the program's inputs; everything else is the trainer's own, and each plain value read is
+    noted in ``guards`` (by name)."""
 
-    def __init__(self, trainer, counters: torch.Tensor, steps: Callable[[], tuple[int, int]]):
+    def __init__(self, trainer, counters: torch.Tensor, steps: Callable[[], tuple[int, int]], guards: dict):
         object.__setattr__(self, "_trainer", trainer)
         object.__setattr__(self, "_counters", counters)
         object.__setattr__(self, "_steps", steps)
+        object.__setattr__(self, "_guards", guards)
 
     @property
     def current_epoch(self) -> torch.Tensor:
         return self._counters[0, _EPOCH]
+
+    @property
+    def is_last_batch(self) -> torch.Tensor:
+        return self._counters[0, _LAST] == 1
 
     @property
     def global_step(self) -> torch.Tensor:
@@ -69,7 +87,13 @@ class _CountingTrainer:
         return counters[_FIRST_STEP] + counters[_ITERATION] * per_iteration + taken
 
     def __getattr__(self, name):
-        return getattr(self._trainer, name)
+        value = getattr(self._trainer, name)
+        if name not in self._guards:
+            guard = seam.value_guard(functools.partial(_read, weakref.ref(self._trainer), name), f"trainer.{name}",
+                                     value)
+            if guard is not None:
+                self._guards[name] = guard
+        return value
 
     def __setattr__(self, name, value):
         setattr(self._trainer, name, value)
@@ -89,16 +113,26 @@ def adapter(takes_batch_idx: bool, steps: Callable[[], tuple[int, int]]):
     return adapt
 
 
+def _read(trainer: weakref.ref, name: str):
+    """``trainer.<name>`` now (``seam.MISSING`` once the trainer is gone)."""
+    owner = trainer()
+    return seam.MISSING if owner is None else getattr(owner, name, seam.MISSING)
+
+
 @contextlib.contextmanager
 def _trainer_answering(module: torch.nn.Module, counters: torch.Tensor, steps):
     """``module`` and its LightningModule children read their trainer's counters from
-    ``counters`` while the block runs."""
+    ``counters`` while the block runs; the list it yields holds, once it ends, the guards of the
+    other plain values they read off it."""
     owners = [m for m in module.modules() if m.__dict__.get("_trainer") is not None]
     saved = [m.__dict__["_trainer"] for m in owners]
+    guards: dict = {}
+    read: list = []
     for owner, trainer in zip(owners, saved):
-        owner.__dict__["_trainer"] = _CountingTrainer(trainer, counters, steps)
+        owner.__dict__["_trainer"] = _CountingTrainer(trainer, counters, steps, guards)
     try:
-        yield
+        yield read
     finally:
         for owner, trainer in zip(owners, saved):
             owner.__dict__["_trainer"] = trainer
+        read.extend(guards.values())

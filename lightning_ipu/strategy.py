@@ -676,7 +676,8 @@ class IPUStrategy(ParallelStrategy):
         takes_batch_idx = len(args) > 1 and isinstance(args[1], int) and not isinstance(args[1], bool)
         counters = _counters.per_micro_batch(
             args[1] if takes_batch_idx else 0, self._trainer.global_step, self._trainer.current_epoch,
-            options.device_iterations, options.Training.gradient_accumulation, options.replication_factor)
+            options.device_iterations, options.Training.gradient_accumulation, options.replication_factor,
+            self._trainer.is_last_batch, method == "training_step")
         if method != "training_step":
             steps = _counters.evaluation_steps
         elif self.lightning_module.automatic_optimization:

@@ -129,11 +129,12 @@ def _recording_logs(module: torch.nn.Module, recorder: _LogRecorder):
 
 
 class _Taken:
-    """The guards of a step's last trace and the assignments it made on its module
-    (``attribute_writes``), kept off lists: export restores the module's attributes after
-    tracing."""
+    """The guards of a step's last trace (its host branches, and the values it read through the
+    caller's adapter) and the assignments it made on its module (``attribute_writes``), kept off
+    lists: export restores the module's attributes after tracing."""
 
     guards: list = []
+    reads: list = []
     assignments: list = []
 
 
@@ -158,9 +159,9 @@ class StepCall(torch.nn.Module):
 
     def forward(self, *args):
         self.recorder.reset()
-        self.taken.guards, self.taken.assignments = [], []
+        self.taken.guards, self.taken.reads, self.taken.assignments = [], [], []
         adapt = _STEP_ARGUMENTS.get()[0]
-        scope = contextlib.nullcontext()
+        scope = contextlib.nullcontext([])
         tracking = contextlib.nullcontext()
         if self.host_known is not None:
             position, values = self.host_known
@@ -170,13 +171,13 @@ class StepCall(torch.nn.Module):
                 args, scope = adapt(self.module, args)
             with (_recording_logs(self.module, self.recorder), metric_states.lifted(self.module) as metrics,
                   list_appends.watching(self.module) as watch, attribute_writes.noted(self.module) as assigned,
-                  scope):
+                  scope as adapter_reads):
                 result = getattr(self.module, self.method)(*args)
                 specs, values = metric_states.updated_states(metrics)
                 appends = watch.appends()
         if tracked is not None:
             self.taken.guards = list(tracked.guards)
-        self.taken.assignments = list(assigned)
+        self.taken.reads, self.taken.assignments = list(adapter_reads), list(assigned)
         self.recorder.calls.extend(LogCall(spec.key, state=spec) for spec in specs)
         self.recorder.calls.extend(LogCall(append.name, appended=append) for append, _ in appends)
         return result, list(self.recorder.tensors) + values + [tensor for _, tensor in appends]
@@ -199,7 +200,10 @@ def step_arguments(adapt, host_known: int | None = None):
     """While the block runs, a step method captured (:class:`StepCall`) gets the arguments
     ``adapt(module, args)`` gives as ``(arguments, context manager)``, and runs inside that
     context: how a caller passes a step values it reads elsewhere than in its arguments (the
-    Lightning face's counters, read through the module's trainer) as program inputs.
+    Lightning face's counters, read through the module's trainer) as program inputs. The context
+    manager yields a list that holds, once it ends, the guards of the other values the step read
+    through it (objects with ``current()``, ``holds(value)``, ``attribute`` and ``value``, as
+    ``python_reads.Read``).
     ``host_known``: the position of an argument whose values the host knows before each call,
     per micro-batch, so that executors that can let the step branch in Python on it (see
     ``host_branches``)."""

@@ -127,8 +127,9 @@ class Program:
     """The names under which the last inputs are passed by keyword."""
     python_reads: tuple[Read | NameRead | HookGuard | GroupRead | SchedulerRead, ...] = ()
     """The plain Python attributes of the module that the capture read, the globals and closure
-    variables its code can read (``global_reads``), its tensor constants and its hooks, and the
-    optimizer hyper-parameters a step read from param groups or schedulers (``optimizer_reads``,
+    variables its code can read (``global_reads``), the values a step read through its caller's
+    adapter (``capture.step_arguments``), its tensor constants and its hooks, and the optimizer
+    hyper-parameters a step read from param groups or schedulers (``optimizer_reads``,
     added by the executor that owns the optimizers), with their values: the program is what the
     module computes only while they keep them (``python_reads.changed``)."""
     identity: str | None = None
@@ -260,8 +261,9 @@ def compile_module(module: torch.nn.Module, example_args: tuple, method: str | N
     else:
         program = _build(module, exported, "module.", tuple(target.recorder.calls), keywords)
     guards = () if method is None else tuple(target.taken.guards)
-    reads = (_without_appended_lists(reads, program.logs) + names + python_reads.tensor_attributes(module)
-             + (python_reads.HookGuard(module),))
+    adapter_reads = () if method is None else tuple(target.taken.reads)
+    reads = (_without_appended_lists(reads, program.logs) + names + adapter_reads
+             + python_reads.tensor_attributes(module) + (python_reads.HookGuard(module),))
     return replace(program, python_reads=reads, guards=guards, host_input=host_input if guards else None,
                    assignments=() if method is None else tuple(target.taken.assignments))
 

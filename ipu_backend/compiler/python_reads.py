@@ -20,7 +20,7 @@ outputs (``metric_states``), and their own bookkeeping (update counts) changes e
 import contextlib
 import enum
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +55,31 @@ class Read:
     @property
     def attribute(self) -> str:
         return f"{self.path}.{self.name}" if self.path else self.name
+
+
+@dataclass(frozen=True, eq=False)
+class ValueRead:
+    """A plain value a capture read other than off a module (through the Lightning face's
+    trainer), its value then (a :func:`snapshot`), and how to read it now."""
+
+    read_now: Callable[[], object]
+    attribute: str
+    value: object
+
+    def current(self):
+        return self.read_now()
+
+    def holds(self, value) -> bool:
+        return holds(self.value, value)
+
+
+def value_guard(read_now: Callable[[], object], attribute: str, value) -> ValueRead | None:
+    """The guard of ``value``, read as ``attribute`` (``read_now()`` reads it again, ``MISSING``
+    once gone), or None when it is not a plain value."""
+    frozen = snapshot(value)
+    if frozen is None and value is not None:
+        return None
+    return ValueRead(read_now, attribute, frozen)
 
 
 def holds(captured, value) -> bool:
