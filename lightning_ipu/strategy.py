@@ -518,7 +518,7 @@ class IPUStrategy(ParallelStrategy):
         logged = executor.last_logs if self._processes == 1 else _processes.gathered(executor.last_logs)
         metrics = _metrics.update(self.lightning_module, program, logged, executor.options.device_iterations)
         self._log(program, logged, metrics)
-        self._leave_on_module(program, executor.last_logs)
+        _appends.extend(self.lightning_module, program, executor.last_logs)
         return _outputs.combine_outputs(result, program, _micro_batch_size(args[0], factor))
 
     def _run_short(self, method: str, args: tuple, micro: int, factor: int) -> Any:
@@ -538,17 +538,10 @@ class IPUStrategy(ParallelStrategy):
             kept.append(_short_batches.kept_result(result, shapes, per_sample, piece, factor))
             kept_logs.append(_short_batches.kept_logs(executor.last_logs, piece, factor))
             metrics = _metrics.update(self.lightning_module, program, kept_logs[-1], piece.real)
-            self._leave_on_module(program, kept_logs[-1])
+            _appends.extend(self.lightning_module, program, kept_logs[-1])
         self._log(program, _short_batches.merged_logs(kept_logs), metrics,
                   _short_batches.micro_batch_weights(pieces_run))
         return _short_batches.merged_result(result, kept, per_sample, pieces_run)
-
-    def _leave_on_module(self, program, logged: dict) -> None:
-        """What the compiled step would have left on the module, as the CPU's steps do: the items
-        it appended to lists the module holds, then the Python values it assigned."""
-        _appends.extend(self.lightning_module, program, logged)
-        for assignment in program.assignments:
-            assignment.apply()
 
     def _every_micro_batch_executor(self, method: str) -> seam.PoplarExecutor:
         """The step's executor returning every micro-batch's results (``OutputMode.All``): its own

@@ -1,21 +1,21 @@
-"""Attributes a step assigns on its module: carried to the host after each call, or refused.
+"""Attributes a step or a model's forward assigns on its module: carried to the host after each
+call, or refused.
 
-On the CPU a step's Python runs per batch, so ``self.warmed_up = True`` is on the module after the
-step, ``self.seen += len(x)`` counts samples and ``self.last_loss = loss`` keeps the latest loss
-for a hook to read. A compiled step's Python runs once, at capture, and torch.export puts the
-module's attributes back afterwards. So, for the attributes of the module's tree (its own and
-its submodules', private ones too, torch's own bookkeeping aside) and the entries of the dicts
-they hold:
+On the CPU a step's Python runs per batch (a forward's per call), so ``self.warmed_up = True`` is
+on the module after it, ``self.seen += len(x)`` counts samples and ``self.last_loss = loss`` keeps
+the latest loss for a hook to read. A compiled program's Python runs once, at capture, and
+torch.export puts the module's attributes back afterwards. So, for the attributes of the
+module's tree (its own and its submodules', private ones too, torch's own bookkeeping aside)
+and the entries of the dicts they hold:
 
-- a Python value the step leaves different (a flag, a string, a new number, any object without
-  tensors) is an :class:`Assignment`, which the Lightning face makes on the host after each
-  call. A value the step reads and changes is a guard of the program (``python_reads``), so
-  the next call captures the step again with the new value; a call that runs several steps,
-  whose later steps would see the new value on the CPU, is refused
-  (:func:`refuse_read_and_changed`);
-- a number the step reads and changes (a counter) and a tensor assigned are refused, with the
-  ways that work: a hook that runs on the host, a list the step appends to (``list_appends``),
-  ``self.log``, or a buffer written in place.
+- a Python value the capture leaves different (a flag, a string, a new number, any object
+  without tensors) is an :class:`Assignment`, which the executor makes on the host after each
+  call. A value the program reads and changes is a guard of it (``python_reads``), so the next
+  call captures it again with the new value; a call that runs it several times, whose later
+  runs would see the new value on the CPU, is refused (:func:`refuse_read_and_changed`);
+- a number it reads and changes (a counter) and a tensor assigned are refused, with the ways
+  that work: a Lightning hook that runs on the host, a list the step appends to
+  (``list_appends``), ``self.log``, an output of the forward, or a buffer written in place.
 """
 
 import contextlib
@@ -32,9 +32,13 @@ _NUMBERS = (int, float)
 _MODULE_STATE = frozenset(vars(torch.nn.Module()))
 """What every module holds for torch itself (parameters, buffers, submodules, hooks, ``training``)."""
 
-_WAYS = ("keep it in a hook that runs on the host (on_train_batch_end, on_validation_batch_end), append it "
-         "to a list the module holds (self.values.append(...)), log it (self.log), or write it into a "
-         "buffer in place (self.register_buffer(...) in __init__, then .copy_() or +=)")
+_BUFFER = "write it into a buffer in place (self.register_buffer(...) in __init__, then .copy_() or +=)"
+_WAYS = {
+    True: ("keep it in a hook that runs on the host (on_train_batch_end, on_validation_batch_end), append it "
+           f"to a list the module holds (self.values.append(...)), log it (self.log), or {_BUFFER}"),
+    False: f"return it from forward, or {_BUFFER}",
+}
+"""The ways that work, for a step (True) and for a model's forward."""
 
 
 ENTIRE = object()
@@ -134,19 +138,22 @@ def _same(old, new) -> bool:
     return frozen is not None and python_reads.holds(frozen, new)
 
 
-def _assignments(path: str, submodule: torch.nn.Module, before: dict, dicts: dict) -> list[Assignment]:
-    """The step's changes to ``submodule``'s attributes, refused as the module docstring says."""
-    notes = python_reads.noted(submodule)
+def _assignments(held: list, step: bool) -> list[Assignment]:
+    """The changes to the attributes of each module ``held`` (see :func:`_held`) since, refused
+    as the module docstring says."""
     found = []
-    for name, key, old, new in _changes(before, dicts, _attributes(submodule)):
-        attribute = list_appends.where(path, name)
-        where = attribute if key is ENTIRE else f"{attribute}[{key!r}]"
-        refusal = _refusal(where, old, new, read=notes is None or name in notes)
-        if refusal is not None:
-            raise Error(f"the step {refusal}: a compiled step's Python runs once, at capture, not per "
-                        f"batch, and the module keeps its attributes as they were; {_WAYS}")
-        if old is python_reads.MISSING or new is python_reads.MISSING or not _same(old, new):
-            found.append(Assignment(weakref.ref(submodule), path, name, key, new))
+    for path, submodule, before, dicts in held:
+        notes = python_reads.noted(submodule)
+        for name, key, old, new in _changes(before, dicts, _attributes(submodule)):
+            attribute = list_appends.where(path, name)
+            where = attribute if key is ENTIRE else f"{attribute}[{key!r}]"
+            refusal = _refusal(where, old, new, read=notes is None or name in notes)
+            if refusal is not None:
+                what = "the step" if step else "the model's forward"
+                raise Error(f"{what} {refusal}: a compiled program's Python runs once, at capture, not at "
+                            f"every call, and the module keeps its attributes as they were; {_WAYS[step]}")
+            if old is python_reads.MISSING or new is python_reads.MISSING or not _same(old, new):
+                found.append(Assignment(weakref.ref(submodule), path, name, key, new))
     return found
 
 
@@ -158,8 +165,29 @@ def noted(module: torch.nn.Module):
     held = _held(module)
     found: list[Assignment] = []
     yield found
-    for path, submodule, before, dicts in held:
-        found.extend(_assignments(path, submodule, before, dicts))
+    found.extend(_assignments(held, step=True))
+
+
+@contextlib.contextmanager
+def noted_in_forward(module: torch.nn.Module):
+    """:func:`noted` for a model's forward, which torch.export calls itself: each call of
+    ``module`` while the block runs is noted from its forward pre-hook to its forward hook, and
+    the list holds the last one's assignments."""
+    found: list[Assignment] = []
+    held: list = []
+
+    def before(*_):
+        held[:] = _held(module)
+
+    def after(*_):
+        found[:] = _assignments(held, step=False)
+
+    handles = [module.register_forward_pre_hook(before, prepend=True), module.register_forward_hook(after)]
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def differing(first, second) -> str | None:
@@ -174,18 +202,21 @@ def differing(first, second) -> str | None:
     return None
 
 
-def refuse_read_and_changed(assignments, reads, steps_per_call: int, what: str) -> None:
-    """An error when a call runs several steps (``steps_per_call``: device iterations ×
-    micro-batches) and ``what`` changes a value it reads (a guard among ``reads``): on the CPU the
-    steps after the first would see the new value, while one call runs them all as captured."""
+def refuse_read_and_changed(assignments, reads, steps_per_call: int, what: str, step: bool) -> None:
+    """An error when a call runs ``what`` (a step when ``step``, else a model's forward) several
+    times (``steps_per_call``: device iterations × micro-batches) and it changes a value it reads
+    (a guard among ``reads``): on the CPU the runs after the first would see the new value, while
+    one call makes them all as captured."""
     if steps_per_call == 1:
         return
     guards = {(id(read.module()), read.name): read for read in reads if isinstance(read, python_reads.Read)}
     for assignment in assignments:
         read = guards.get((id(assignment.module()), assignment.name))
         if read is not None and assignment.changes(read):
+            where = "in a hook that runs on the host between calls (on_train_batch_start)" if step else \
+                "on the host between calls"
+            runs = "step" if step else "forward"
             raise Error(f"the {what} reads {assignment.where} and changes it: on the CPU the later of the "
-                        f"{steps_per_call} steps one call runs (device iterations x gradient accumulation) "
-                        "would see the new value, but a compiled call runs them all as captured. Change it "
-                        "in a hook that runs on the host between calls (on_train_batch_start), or run one "
-                        "step per call")
+                        f"{steps_per_call} {runs}s one call runs (device iterations x gradient accumulation) "
+                        f"would see the new value, but a compiled call runs them all as captured. Change it "
+                        f"{where}, or run one {runs} per call")

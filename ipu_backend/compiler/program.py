@@ -11,6 +11,7 @@ from torch._dynamo.exc import UncapturedHigherOrderOpError
 from torch.export.graph_signature import InputKind, OutputKind
 
 from ipu_backend.compiler import (
+    attribute_writes,
     capture,
     decomposition_cache,
     global_reads,
@@ -143,8 +144,8 @@ class Program:
     """The Python values the capture took from tensors of ``host_input``, in order
     (:class:`~ipu_backend.compiler.host_branches.Guard`): the branches this capture follows."""
     assignments: tuple = ()
-    """What a step method assigned on its module's tree, made on the host after each call
-    (:class:`~ipu_backend.compiler.attribute_writes.Assignment`)."""
+    """What the captured code (a forward or a step method) assigned on its module's tree, made on
+    the host after each call (:class:`~ipu_backend.compiler.attribute_writes.Assignment`)."""
     variants: tuple = ()
     """The captures (:class:`~ipu_backend.compiler.host_branches.Variant`) of a step that
     branches on ``host_input``: each micro-batch runs the one whose guards hold for it. With
@@ -241,11 +242,11 @@ def compile_module(module: torch.nn.Module, example_args: tuple, method: str | N
     with host_random.refused(module, method or "model's forward"):
         try:
             with python_reads.recorded(module) as reads:
-                exported, templates = _capture_forward(module, target, args, kwargs, runs, method)
+                exported, templates, assignments = _capture_forward(module, target, args, kwargs, runs, method)
         except UncapturedHigherOrderOpError:
             # torch.cond's branches are traced by torch's compiler, which cannot run the classes
             # that note reads: capture again unnoted, guarded by every plain attribute.
-            exported, templates = _capture_forward(module, target, args, kwargs, runs, method)
+            exported, templates, assignments = _capture_forward(module, target, args, kwargs, runs, method)
             reads = python_reads.every_attribute(module)
     end = time.time()
     jax.monitoring.record_event_duration_secs(CAPTURE_EVENT, end - start)
@@ -265,7 +266,7 @@ def compile_module(module: torch.nn.Module, example_args: tuple, method: str | N
     reads = (_without_appended_lists(reads, program.logs) + names + adapter_reads
              + python_reads.tensor_attributes(module) + (python_reads.HookGuard(module),))
     return replace(program, python_reads=reads, guards=guards, host_input=host_input if guards else None,
-                   assignments=() if method is None else tuple(target.taken.assignments))
+                   assignments=assignments)
 
 
 def split_keywords(inputs: tuple, keywords: tuple[str, ...]) -> tuple[tuple, dict]:
@@ -276,14 +277,15 @@ def split_keywords(inputs: tuple, keywords: tuple[str, ...]) -> tuple[tuple, dic
 
 def _capture_forward(module: torch.nn.Module, target: torch.nn.Module, args: tuple, kwargs: dict, runs: list,
                      method: str | None) -> tuple:
-    """:func:`_capture`, refusing a model's forward that appends to lists the module holds (a
+    """:func:`_capture` and the assignments the captured code made on the module
+    (``attribute_writes``), refusing a model's forward that appends to lists the module holds (a
     step method's appends are its outputs: ``capture.StepCall``)."""
     if method is not None:
-        return _capture(target, args, kwargs, runs)
-    with list_appends.watching(module) as watch:
+        return *_capture(target, args, kwargs, runs), tuple(target.taken.assignments)
+    with list_appends.watching(module) as watch, attribute_writes.noted_in_forward(module) as assigned:
         captured = _capture(target, args, kwargs, runs)
     watch.refuse_appends("the model's forward")
-    return captured
+    return *captured, tuple(assigned)
 
 
 def _without_appended_lists(reads, logs) -> tuple:

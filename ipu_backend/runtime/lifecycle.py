@@ -453,7 +453,7 @@ class Executor:
         schedule = self._schedule()
         attribute_writes.refuse_read_and_changed(program.assignments, program.python_reads,
                                                  schedule.device_iterations * schedule.accumulation,
-                                                 self._step_method or "model")
+                                                 self._step_method or "model", self._step_method is not None)
         return program
 
     def _entry_key(self, shared_key: tuple | None) -> str | None:
@@ -533,6 +533,8 @@ class Executor:
         host_idle.run_queued()
         jax.block_until_ready(arrays)
         runtime_checks.raise_recorded()
+        for assignment in compiled.program.assignments:       # what the model's Python left on it
+            assignment.apply()
         ready = perf_counters.now()
         to_host = output_to_host if self._synthetic is None else synthetic_data.unwritten_output
         self.last_logs = {name: to_host(value, compiled.log_dtypes[name]) for name, value in logs.items()}
