@@ -10,9 +10,8 @@ micro-batch``, and ``global_step`` is the optimizer steps done before it. So eac
 per micro-batch, that batch index, the call's first ``global_step``, the iteration, the epoch
 and whether its batch is the epoch's last; while the step is captured, ``batch_idx`` is the
 micro-batch's index and the module's trainer answers ``current_epoch``, ``global_step`` and
-``is_last_batch`` from them (all 0-d tensors). With manual
-optimization ``global_step`` counts every ``optimizer.step()``, those the step has made so far
-included, as on the CPU.
+``is_last_batch`` from them (all 0-d tensors). With manual optimization ``global_step`` counts
+every ``optimizer.step()``, those the step has made so far included, as on the CPU.
 
 A value read here is never baked into the program, so it is current in every step. The host
 knows each micro-batch's counters before the call, so a Python ``if`` on them (``if batch_idx %
@@ -45,9 +44,8 @@ def per_micro_batch(batch_idx: int, global_step: int, epoch: int, iterations: in
     counters[:, _FIRST_STEP] = global_step
     counters[:, _ITERATION] = position // accumulation
     counters[:, _EPOCH] = epoch
-    counters[:, _LAST] = last_batch and not training
-    if training and last_batch:
-        counters[:, _LAST] = position == iterations * accumulation - 1
+    in_last_batch = position == iterations * accumulation - 1 if training else torch.ones_like(position)
+    counters[:, _LAST] = in_last_batch * last_batch
     return counters
 
 
@@ -63,8 +61,8 @@ def automatic_steps() -> tuple[int, int]:
 
 class _CountingTrainer:
     """The trainer as a captured step sees it: ``current_epoch``, ``global_step`` and
-    ``is_last_batch`` come from the program's inputs; everything else is the trainer's own, and each plain value read is
-    noted in ``guards`` (by name)."""
+    ``is_last_batch`` come from the program's inputs; everything else is the trainer's own, and
+    each plain value read is noted in ``guards`` (by name)."""
 
     def __init__(self, trainer, counters: torch.Tensor, steps: Callable[[], tuple[int, int]], guards: dict):
         object.__setattr__(self, "_trainer", trainer)

@@ -48,14 +48,14 @@ ENTIRE = object()
 @dataclass(frozen=True, eq=False)
 class Assignment:
     """``self.<path>.<name> = value`` (or ``self.<path>.<name>[key] = value`` when ``key`` is not
-    :data:`ENTIRE`), as the step left it."""
+    :data:`ENTIRE`), as the captured code left it."""
 
     module: weakref.ref
     path: str
     name: str
     key: object
     value: object
-    """What the step left; ``python_reads.MISSING`` where it deleted the attribute or entry."""
+    """What the code left; ``python_reads.MISSING`` where it deleted the attribute or entry."""
 
     @property
     def where(self) -> str:
@@ -75,7 +75,7 @@ class Assignment:
 
     def changes(self, read: python_reads.Read) -> bool:
         """Whether ``read`` (a guard of the same attribute, made at capture) saw another value
-        than the step leaves."""
+        than the code leaves."""
         current = read.current()                   # the host's value, as it was before the step
         if self.key is ENTIRE or not isinstance(current, dict):
             return not read.holds(self.value)
@@ -112,7 +112,7 @@ def _changed(before: dict, after: dict):
 
 
 def _changes(before: dict, dicts: dict, after: dict):
-    """``(name, key, old, new)`` for each attribute, or entry of a dict attribute, that the step
+    """``(name, key, old, new)`` for each attribute, or entry of a dict attribute, that the code
     left different (``python_reads.MISSING`` where there was none, or is none now)."""
     for name, old, new in _changed(before, after):
         yield name, ENTIRE, old, new
@@ -123,7 +123,7 @@ def _changes(before: dict, dicts: dict, after: dict):
 
 
 def _refusal(where: str, old, new, read: bool) -> str | None:
-    """Why the step's change of ``where`` cannot be carried to the host, or None."""
+    """Why the code's change of ``where`` cannot be carried to the host, or None."""
     if any(isinstance(leaf, torch.Tensor) and not isinstance(leaf, torch.nn.Parameter)
            for leaf in torch_pytree.tree_leaves(new)):
         return f"assigns a tensor to {where}"

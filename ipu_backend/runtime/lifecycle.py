@@ -448,7 +448,8 @@ class Executor:
 
     def _guarded(self, program, reads: list):
         """``program`` guarded by ``reads`` too (what :meth:`_capturing` noted); refused when a
-        call runs several steps and the step changes a value it reads (``attribute_writes``)."""
+        call runs the captured code several times and it changes a value it reads
+        (``attribute_writes``)."""
         program = dataclasses.replace(program, python_reads=program.python_reads + tuple(reads))
         schedule = self._schedule()
         attribute_writes.refuse_read_and_changed(program.assignments, program.python_reads,
