@@ -471,6 +471,12 @@ class IPUStrategy(ParallelStrategy):
     # --- steps -------------------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._trainer.accumulate_grad_batches != 1:
+            raise MisconfigurationException(
+                f"accumulate_grad_batches changed to {self._trainer.accumulate_grad_batches} during the fit (a "
+                "GradientAccumulationScheduler?): the IPUs accumulate inside each host call, over the "
+                f"gradient_accumulation={self._training_opts.Training.gradient_accumulation} micro-batches fixed "
+                "when the fit started. Set Trainer(accumulate_grad_batches=...) once, or fit in stages")
         with self.precision_plugin.train_step_context():
             output = self._run("training_step", args, kwargs)
         iterations = self._training_opts.device_iterations

@@ -7,6 +7,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import ipu_backend
 from lightning_ipu import IPUStrategy
@@ -77,6 +78,17 @@ def test_accumulate_grad_batches_and_on_before_batch_transfer_give_the_cpu_numbe
     assert ipu_trainer.strategy.training_opts.Training.gradient_accumulation == 2
     # One IPU batch holds both micro-batches of a step; its logged loss is the last one's.
     torch.testing.assert_close(torch.stack(ipu_rec.losses), torch.stack(cpu_rec.losses[1::2]), rtol=1e-5, atol=1e-6)
+
+
+def test_accumulation_changed_during_the_fit_is_refused():
+    """Lightning's GradientAccumulationScheduler sets the Trainer's flag at each epoch start; the
+    IPUs' accumulation is fixed for the fit, so a change would silently train otherwise."""
+    scheduler = pl.callbacks.GradientAccumulationScheduler({0: 1, 1: 2})
+    trainer = pl.Trainer(accelerator="ipu", devices=1, max_epochs=2, callbacks=[scheduler], **QUIET)
+    with pytest.raises(MisconfigurationException, match="accumulate_grad_batches changed to 2 during the fit .*"
+                                                        "gradient_accumulation=1 micro-batches fixed"):
+        trainer.fit(Regressor(), loader(dataset(16), 4))
+    assert trainer.global_step == 4                 # the first epoch trained
 
 
 @pytest.mark.parametrize("algorithm, value", [("norm", 0.05), ("value", 0.01)])
