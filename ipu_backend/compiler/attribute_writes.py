@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as torch_pytree
+from torch.nn.utils import prune
 
 from ipu_backend.compiler import list_appends, python_reads
 from ipu_backend.errors import Error
@@ -138,13 +139,23 @@ def _same(old, new) -> bool:
     return frozen is not None and python_reads.holds(frozen, new)
 
 
+def _pruned(module: torch.nn.Module) -> set[str]:
+    """The attributes of ``module`` that ``torch.nn.utils.prune`` recomputes in a forward pre-hook
+    (``weight = weight_orig * weight_mask``): values of the program, not of the host."""
+    return {hook._tensor_name for hook in module._forward_pre_hooks.values()
+            if isinstance(hook, prune.BasePruningMethod)}
+
+
 def _assignments(held: list, step: bool) -> list[Assignment]:
     """The changes to the attributes of each module ``held`` (see :func:`_held`) since, refused
     as the module docstring says."""
     found = []
     for path, submodule, before, dicts in held:
         notes = python_reads.noted(submodule)
+        pruned = _pruned(submodule)
         for name, key, old, new in _changes(before, dicts, _attributes(submodule)):
+            if name in pruned:
+                continue
             attribute = list_appends.where(path, name)
             where = attribute if key is ENTIRE else f"{attribute}[{key!r}]"
             refusal = _refusal(where, old, new, read=notes is None or name in notes)

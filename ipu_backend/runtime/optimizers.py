@@ -411,6 +411,11 @@ class OptimizerRule:
 
     def _require(self, arrays: Mapping, what: str) -> None:
         missing = [name for name in self.names if name not in arrays]
+        if missing and what == "params":
+            raise Error(f"the optimizer's parameters {missing} are not among the weights the device holds: "
+                        "parameters registered under new names or added to the model after its first call "
+                        "(torch.nn.utils.prune, Lightning's ModelPruning callback) are not followed; prune "
+                        "or add them before the first call")
         if missing:
             raise Error(f"{what} lacks the optimizer's parameters {missing}")
 

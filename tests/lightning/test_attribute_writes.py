@@ -174,3 +174,35 @@ class TagsTheFirstBatch(Flags):
 def test_branches_on_batch_idx_that_assign_different_values_are_refused():
     with pytest.raises(ipu_backend.Error, match=r"the Python `if` .* differ: they leave self.phase different"):
         pl.Trainer(accelerator="ipu", devices=1, max_epochs=1, **QUIET).fit(TagsTheFirstBatch(), loader(dataset(16), 4))
+
+
+class Pruned(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+    def training_step(self, batch, batch_idx):
+        return F.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_model_pruned_before_the_fit_trains_as_on_the_cpu():
+    """torch.nn.utils.prune sets ``weight = weight_orig * weight_mask`` in a forward pre-hook at
+    every call: a value of the program, not a tensor the step hands the host."""
+    ipu, cpu = twins(Pruned)
+    for module in (ipu, cpu):
+        torch.nn.utils.prune.l1_unstructured(module.net[0], "weight", amount=0.3)
+    for module, accelerator in ((ipu, "ipu"), (cpu, "cpu")):
+        pl.Trainer(accelerator=accelerator, devices=1, max_epochs=2, **QUIET).fit(module, loader(dataset(16), 4))
+    assert_same_weights(ipu, cpu)
+    assert int((cpu.net[0].weight_mask == 0).sum()) == 10
+
+
+def test_pruning_during_the_fit_is_refused_by_name():
+    pruning = pl.callbacks.ModelPruning("l1_unstructured", amount=0.3, verbose=0)
+    with pytest.raises(ipu_backend.Error, match=r"parameters \['net.0.weight_orig'.* are not among the weights the "
+                                                r"device holds: .*ModelPruning.*before the first call"):
+        pl.Trainer(accelerator="ipu", devices=1, max_epochs=2, callbacks=[pruning],
+                   **QUIET).fit(Pruned(), loader(dataset(16), 4))
