@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as torch_pytree
 from torch.nn.utils import prune
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from ipu_backend.compiler import list_appends, python_reads
 from ipu_backend.errors import Error
@@ -139,11 +141,17 @@ def _same(old, new) -> bool:
     return frozen is not None and python_reads.holds(frozen, new)
 
 
-def _pruned(module: torch.nn.Module) -> set[str]:
-    """The attributes of ``module`` that ``torch.nn.utils.prune`` recomputes in a forward pre-hook
-    (``weight = weight_orig * weight_mask``): values of the program, not of the host."""
-    return {hook._tensor_name for hook in module._forward_pre_hooks.values()
-            if isinstance(hook, prune.BasePruningMethod)}
+def _recomputed(module: torch.nn.Module) -> set[str]:
+    """The attributes of ``module`` that torch's reparametrizing forward pre-hooks recompute from
+    its parameters at every call (``torch.nn.utils.prune``: ``weight = weight_orig * weight_mask``;
+    ``weight_norm``, ``spectral_norm``): values of the program, not of the host."""
+    names = set()
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, prune.BasePruningMethod):
+            names.add(hook._tensor_name)
+        elif isinstance(hook, (WeightNorm, SpectralNorm)):
+            names.add(hook.name)
+    return names
 
 
 def _assignments(held: list, step: bool) -> list[Assignment]:
@@ -152,9 +160,9 @@ def _assignments(held: list, step: bool) -> list[Assignment]:
     found = []
     for path, submodule, before, dicts in held:
         notes = python_reads.noted(submodule)
-        pruned = _pruned(submodule)
+        recomputed = _recomputed(submodule)
         for name, key, old, new in _changes(before, dicts, _attributes(submodule)):
-            if name in pruned:
+            if name in recomputed:
                 continue
             attribute = list_appends.where(path, name)
             where = attribute if key is ENTIRE else f"{attribute}[{key!r}]"

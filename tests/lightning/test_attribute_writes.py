@@ -188,16 +188,24 @@ class Pruned(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_a_model_pruned_before_the_fit_trains_as_on_the_cpu():
-    """torch.nn.utils.prune sets ``weight = weight_orig * weight_mask`` in a forward pre-hook at
-    every call: a value of the program, not a tensor the step hands the host."""
+def _pruned(linear):
+    torch.nn.utils.prune.l1_unstructured(linear, "weight", amount=0.3)
+
+
+@pytest.mark.parametrize("reparametrize", [_pruned, torch.nn.utils.weight_norm, torch.nn.utils.spectral_norm])
+def test_a_model_reparametrized_before_the_fit_trains_as_on_the_cpu(reparametrize):
+    """torch.nn.utils.prune, weight_norm and spectral_norm set ``weight`` (``weight_orig *
+    weight_mask``, ``g * v / |v|``...) in a forward pre-hook at every call: a value of the
+    program, not a tensor the step hands the host."""
     ipu, cpu = twins(Pruned)
     for module in (ipu, cpu):
-        torch.nn.utils.prune.l1_unstructured(module.net[0], "weight", amount=0.3)
+        torch.manual_seed(1)                                # spectral_norm draws its first vectors
+        reparametrize(module.net[0])
     for module, accelerator in ((ipu, "ipu"), (cpu, "cpu")):
         pl.Trainer(accelerator=accelerator, devices=1, max_epochs=2, **QUIET).fit(module, loader(dataset(16), 4))
     assert_same_weights(ipu, cpu)
-    assert int((cpu.net[0].weight_mask == 0).sum()) == 10
+    for (name, buffer), (_, expected) in zip(ipu.net[0].named_buffers(), cpu.net[0].named_buffers()):
+        torch.testing.assert_close(buffer, expected, rtol=RTOL, atol=ATOL, msg=name)   # masks, u and v
 
 
 def test_pruning_during_the_fit_is_refused_by_name():
