@@ -6,14 +6,14 @@ The compiled update takes the optimizer's hyper-parameters as inputs, but a valu
 reads is a Python number, baked into the program at capture, which a scheduler then changes on the
 host. While a step is captured, each param group of the executor's optimizers stands in as a copy
 that notes the keys read, and torch's schedulers note the calls of their ``get_last_lr``; each
-read becomes a :class:`GroupRead` or a :class:`SchedulerRead`, and a change of its value captures
-the step again.
+read becomes a guard (``python_reads.ValueRead``), and a change of its value captures the step
+again.
 """
 
 import contextlib
+import functools
 import sys
 import weakref
-from dataclasses import dataclass
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
@@ -58,44 +58,17 @@ class _Noting(dict):
             self._noted.add(key)
 
 
-@dataclass(frozen=True, eq=False)
-class GroupRead:
-    """``<optimizer>.param_groups[<index>][<key>]`` read during a capture, its value then (a
-    ``python_reads.snapshot``)."""
-
-    group: dict
-    key: str
-    attribute: str
-    value: object
-
-    def current(self):
-        return self.group.get(self.key, python_reads.MISSING)
-
-    def holds(self, value) -> bool:
-        return python_reads.holds(self.value, value)
-
-
-@dataclass(frozen=True, eq=False)
-class SchedulerRead:
-    """``<scheduler>.get_last_lr()`` called during a capture, its value then (a
-    ``python_reads.snapshot``); the scheduler is held weakly."""
-
-    scheduler: weakref.ref
-    attribute: str
-    value: object
-
-    def current(self):
-        scheduler = self.scheduler()
-        return python_reads.MISSING if scheduler is None else scheduler.get_last_lr()
-
-    def holds(self, value) -> bool:
-        return python_reads.holds(self.value, value)
+def _last_lr(scheduler: weakref.ref):
+    """``scheduler.get_last_lr()`` now (``python_reads.MISSING`` once the scheduler is gone)."""
+    owner = scheduler()
+    return python_reads.MISSING if owner is None else owner.get_last_lr()
 
 
 @contextlib.contextmanager
 def _scheduler_reads(reads: list):
     """While the block runs, the user's calls of any torch scheduler's ``get_last_lr`` are noted:
-    a :class:`SchedulerRead` of each scheduler (plain values only) goes to ``reads`` when it ends."""
+    a guard of each scheduler's value (plain values only, the scheduler held weakly) goes to
+    ``reads`` when it ends."""
     original = LRScheduler.get_last_lr
     seen: dict = {}
 
@@ -112,14 +85,15 @@ def _scheduler_reads(reads: list):
         LRScheduler.get_last_lr = original
         for scheduler, frozen in seen.values():
             if frozen is not None and scheduler() is not None:
-                reads.append(SchedulerRead(scheduler, f"{type(scheduler()).__name__}.get_last_lr()", frozen))
+                reads.append(python_reads.ValueRead(functools.partial(_last_lr, scheduler),
+                                                    f"{type(scheduler()).__name__}.get_last_lr()", frozen))
 
 
 @contextlib.contextmanager
 def recorded(optimizers: list[torch.optim.Optimizer | None]):
     """While the block runs, note the keys read from ``optimizers``' param groups and the calls of
-    schedulers' ``get_last_lr``; the list it yields holds their :class:`GroupRead` and
-    :class:`SchedulerRead` once the block ends (plain values only: a tensor hyper-parameter is not
+    schedulers' ``get_last_lr``; the list it yields holds their guards
+    (``python_reads.ValueRead``) once the block ends (plain values only: a tensor hyper-parameter is not
     a guard)."""
     reads: list = []
     swapped = []
@@ -137,5 +111,6 @@ def recorded(optimizers: list[torch.optim.Optimizer | None]):
             for key in sorted(noted, key=str):
                 frozen = python_reads.snapshot(group.get(key))
                 if frozen is not None:
-                    reads.append(GroupRead(group, key, f"{type(optimizer).__name__}.param_groups[{index}][{key!r}]",
-                                           frozen))
+                    reads.append(python_reads.ValueRead(functools.partial(group.get, key, python_reads.MISSING),
+                                                        f"{type(optimizer).__name__}.param_groups[{index}][{key!r}]",
+                                                        frozen))

@@ -28,8 +28,7 @@ from ipu_backend.compiler import (
 )
 from ipu_backend.compiler.dtypes import to_jax
 from ipu_backend.compiler.global_reads import NameRead
-from ipu_backend.compiler.optimizer_reads import GroupRead, SchedulerRead
-from ipu_backend.compiler.python_reads import HookGuard, Read
+from ipu_backend.compiler.python_reads import HookGuard, Read, ValueRead
 from ipu_backend.compiler.sources import user_location
 from ipu_backend.errors import Error
 
@@ -126,7 +125,7 @@ class Program:
     """Other names of tied parameters and buffers -> the name the program reads them under."""
     keywords: tuple[str, ...] = ()
     """The names under which the last inputs are passed by keyword."""
-    python_reads: tuple[Read | NameRead | HookGuard | GroupRead | SchedulerRead, ...] = ()
+    python_reads: tuple[Read | NameRead | HookGuard | ValueRead, ...] = ()
     """The plain Python attributes of the module that the capture read, the globals and closure
     variables its code can read (``global_reads``), the values a step read through its caller's
     adapter (``capture.step_arguments``), its tensor constants and its hooks, and the optimizer

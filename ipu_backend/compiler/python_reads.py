@@ -59,8 +59,9 @@ class Read:
 
 @dataclass(frozen=True, eq=False)
 class ValueRead:
-    """A plain value a capture read other than off a module (through the Lightning face's
-    trainer), its value then (a :func:`snapshot`), and how to read it now."""
+    """A plain value a capture read other than off a module (an optimizer's hyper-parameter, a
+    scheduler's rate, a value off the Lightning face's trainer), its value then (a
+    :func:`snapshot`), and how to read it now."""
 
     read_now: Callable[[], object]
     attribute: str
