@@ -154,7 +154,9 @@ class OptimizerRule:
         """Fresh state (torch's before its first step) for the optimizer's parameters, made on the
         host (numpy: the first call copies it to the device; made with ``jnp``, each shape would
         compile a small program of its own)."""
-        self._require(params, "params")
+        self._require(params, "are not among the weights the device holds: parameters registered under new "
+                      "names or added to the model after its first call (torch.nn.utils.prune, Lightning's "
+                      "ModelPruning callback) are not followed; prune or add them before the first call")
         state = {}
         for options, names in zip(self._group_options, self.groups):
             for name in names:
@@ -195,7 +197,7 @@ class OptimizerRule:
     def update(self, grads: Mapping, state: Mapping, params: Mapping, hyper: dict) -> tuple[dict, dict]:
         """One optimizer step: ``(new_params, new_state)``. ``grads`` are those of the unscaled
         loss; ``params`` and ``new_params`` may hold parameters outside the optimizer."""
-        self._require(grads, "grads")
+        self._require(grads, "have no gradient among grads")
         grads = {name: grads[name].astype(jnp.float32) for name in self.names}
         if self._options["clip_grad_norm"]:       # clip_grad_norm_ over every parameter it updates
             grads = clip_by_global_norm(grads, self.names, hyper["max_grad_norm"])
@@ -409,15 +411,11 @@ class OptimizerRule:
                         for key, value in new.items() if old[key] != value]
         return changes
 
-    def _require(self, arrays: Mapping, what: str) -> None:
+    def _require(self, arrays: Mapping, why: str) -> None:
+        """An error naming the optimizer's parameters ``arrays`` lacks, then ``why``."""
         missing = [name for name in self.names if name not in arrays]
-        if missing and what == "params":
-            raise Error(f"the optimizer's parameters {missing} are not among the weights the device holds: "
-                        "parameters registered under new names or added to the model after its first call "
-                        "(torch.nn.utils.prune, Lightning's ModelPruning callback) are not followed; prune "
-                        "or add them before the first call")
         if missing:
-            raise Error(f"{what} lacks the optimizer's parameters {missing}")
+            raise Error(f"the optimizer's parameters {missing} {why}")
 
     def _require_same(self, optimizer) -> None:
         if self._ids(optimizer) != self._param_ids:
