@@ -4,21 +4,24 @@ call, or refused.
 On the CPU a step's Python runs per batch (a forward's per call), so ``self.warmed_up = True`` is
 on the module after it, ``self.seen += len(x)`` counts samples and ``self.last_loss = loss`` keeps
 the latest loss for a hook to read. A compiled program's Python runs once, at capture, and
-torch.export puts the module's attributes back afterwards. So, for the attributes of the
-module's tree (its own and its submodules', private ones too, torch's own bookkeeping aside)
-and the entries of the dicts they hold:
+torch.export puts the module's attributes back afterwards (copying the lists and dicts among
+them). So, for the attributes of the module's tree (its own and its submodules', private ones
+too, torch's own bookkeeping aside) and what the dicts, lists and records (a configuration
+namespace or dataclass, Lightning's ``hparams``) among them hold, nested too:
 
 - a Python value the capture leaves different (a flag, a string, a new number, any object
   without tensors) is an :class:`Assignment`, which the executor makes on the host after each
   call. A value the program reads and changes is a guard of it (``python_reads``), so the next
   call captures it again with the new value; a call that runs it several times, whose later
   runs would see the new value on the CPU, is refused (:func:`refuse_read_and_changed`);
-- a number it reads and changes (a counter) and a tensor assigned are refused, with the ways
-  that work: a Lightning hook that runs on the host, a list the step appends to
-  (``list_appends``), ``self.log``, an output of the forward, or a buffer written in place.
+- a number it reads and changes (a counter), a tensor assigned and a list held in a container
+  or record that changes length are refused, with the ways that work: a Lightning hook that
+  runs on the host, a list the step appends to (``list_appends``), ``self.log``, an output of
+  the forward, or a buffer written in place.
 """
 
 import contextlib
+import copy
 import weakref
 from dataclasses import dataclass
 
@@ -44,50 +47,135 @@ _WAYS = {
 """The ways that work, for a step (True) and for a model's forward."""
 
 
-ENTIRE = object()
-"""An :class:`Assignment`'s ``key`` when it sets the attribute itself."""
+_DEPTH = 4
+"""How many containers and records deep, below a module's attribute, its writes are followed."""
+ITEM, FIELD = "item", "field"
+"""The two ways into a container: a dict's entry or a list's item, and a record's field."""
 
 
 @dataclass(frozen=True, eq=False)
 class Assignment:
-    """``self.<path>.<name> = value`` (or ``self.<path>.<name>[key] = value`` when ``key`` is not
-    :data:`ENTIRE`), as the captured code left it."""
+    """``self.<path>.<name> = value``, or, where ``keys`` go into what the attribute holds,
+    ``self.<path>.<name>[key].<field> = value`` and so on, as the captured code left it."""
 
     module: weakref.ref
     path: str
     name: str
-    key: object
+    keys: tuple
+    """``(ITEM, key)`` or ``(FIELD, name)`` for each step from the attribute to the value set."""
     value: object
     """What the code left; ``python_reads.MISSING`` where it deleted the attribute or entry."""
 
     @property
     def where(self) -> str:
-        attribute = list_appends.where(self.path, self.name)
-        return attribute if self.key is ENTIRE else f"{attribute}[{self.key!r}]"
+        return _where(list_appends.where(self.path, self.name), self.keys)
 
     def apply(self) -> None:
         """Make the assignment on the host module (nothing once the module is gone)."""
         module = self.module()
         if module is None:
             return
-        owner, key = (module.__dict__, self.name) if self.key is ENTIRE else (getattr(module, self.name), self.key)
-        if self.value is python_reads.MISSING:
-            owner.pop(key, None)
-        else:
-            owner[key] = self.value
+        *way, (kind, key) = ((ITEM, self.name),) + self.keys
+        owner = module.__dict__
+        for depth, (inner_kind, inner_key) in enumerate(way):
+            owner = _entry(owner, inner_kind, inner_key)
+            if owner is python_reads.MISSING:
+                raise Error(f"the compiled program sets {self.where}, but the host's module no longer holds "
+                            f"{_where(list_appends.where(self.path, self.name), self.keys[:depth])}: the code "
+                            "would fail on the CPU too")
+        _set(owner, kind, key, self.value)
 
     def changes(self, read: python_reads.Read) -> bool:
         """Whether ``read`` (a guard of the same attribute, made at capture) saw another value
         than the code leaves."""
-        current = read.current()                   # the host's value, as it was before the step
-        if self.key is ENTIRE or not isinstance(current, dict):
-            return not read.holds(self.value)
-        entries = dict(current)
-        if self.value is python_reads.MISSING:
-            entries.pop(self.key, None)
-        else:
-            entries[self.key] = self.value
-        return not read.holds(entries)
+        return not read.holds(_with(read.current(), self.keys, self.value))
+
+
+def _where(text: str, keys: tuple) -> str:
+    for kind, key in keys:
+        text += f".{key}" if kind == FIELD else f"[{key!r}]"
+    return text
+
+
+def _entries(value) -> tuple[str, dict] | None:
+    """``(ITEM, entries)`` of a dict or list, ``(FIELD, fields)`` of a record
+    (``python_reads.record_fields``), as they are now; None for anything else."""
+    if isinstance(value, dict):
+        return ITEM, dict(value)
+    if isinstance(value, list):
+        return ITEM, dict(enumerate(list.copy(value)))      # list's own: a stand-in notes reads
+    fields = python_reads.record_fields(value)
+    return None if fields is None else (FIELD, fields)
+
+
+def _entry(owner, kind: str, key):
+    """What ``owner`` holds at ``key`` (``python_reads.MISSING`` where nothing)."""
+    if kind == FIELD:
+        return getattr(owner, key, python_reads.MISSING)
+    if isinstance(owner, list):
+        return owner[key] if 0 <= key < len(owner) else python_reads.MISSING
+    return owner.get(key, python_reads.MISSING) if isinstance(owner, dict) else python_reads.MISSING
+
+
+def _set(owner, kind: str, key, value) -> None:
+    if kind == FIELD:
+        if value is not python_reads.MISSING:
+            setattr(owner, key, value)
+        elif hasattr(owner, key):
+            delattr(owner, key)
+    elif value is not python_reads.MISSING:
+        owner[key] = value
+    else:
+        owner.pop(key, None)
+
+
+def _with(value, keys: tuple, new):
+    """``value`` with what ``keys`` lead to set to ``new``, copied on the way down (the host's
+    value once an :class:`Assignment` is made, left untouched); ``python_reads.MISSING`` where
+    the way is gone."""
+    if not keys:
+        return new
+    (kind, key), rest = keys[0], keys[1:]
+    inner = _entry(value, kind, key)
+    if inner is python_reads.MISSING and rest:
+        return python_reads.MISSING
+    copied = copy.copy(value)
+    _set(copied, kind, key, _with(inner, rest, new))
+    return copied
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A container or record the module's tree holds, and each of its entries as it was: the
+    value, and the entry's own :class:`_Held` where it is a container or record too."""
+
+    value: object
+    kind: str
+    entries: dict
+
+    @classmethod
+    def of(cls, value, depth: int = _DEPTH, seen: frozenset = frozenset()) -> "_Held | None":
+        found = _entries(value) if depth and id(value) not in seen else None
+        if found is None:
+            return None
+        kind, entries = found
+        inner = seen | {id(value)}
+        return cls(value, kind, {key: (item, cls.of(item, depth - 1, inner)) for key, item in entries.items()})
+
+    def changes(self, keys: tuple, where: str):
+        """``(keys, old, new)`` for each entry, at any depth, that differs now."""
+        now = _entries(self.value)[1]
+        if isinstance(self.value, list_appends.Watched):        # what a step appends to these is its output
+            now = {index: item for index, item in now.items() if index in self.entries}
+        elif isinstance(self.value, list) and len(now) != len(self.entries):
+            raise Error(f"changes the length of {_where(where, keys)}, a list held in what the module holds")
+        for key in self.entries.keys() | now.keys():
+            old, held = self.entries.get(key, (python_reads.MISSING, None))
+            new = now.get(key, python_reads.MISSING)
+            if new is not old:
+                yield keys + ((self.kind, key),), old, new
+            elif held is not None:
+                yield from held.changes(keys + ((self.kind, key),), where)
 
 
 def _attributes(module: torch.nn.Module) -> dict:
@@ -95,13 +183,13 @@ def _attributes(module: torch.nn.Module) -> dict:
 
 
 def _held(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, dict, dict]]:
-    """Each module of the tree (torchmetrics objects aside) with its attributes and a copy of
-    each dict among them."""
+    """Each module of the tree (torchmetrics objects aside) with its attributes and the
+    :class:`_Held` of each container or record among them."""
     held = []
     for path, submodule in python_reads.guarded_modules(module):
         attributes = _attributes(submodule)
-        dicts = {name: dict(value) for name, value in attributes.items() if type(value) is dict}
-        held.append((path, submodule, attributes, dicts))
+        inner = {name: found for name, value in attributes.items() if (found := _Held.of(value)) is not None}
+        held.append((path, submodule, attributes, inner))
     return held
 
 
@@ -114,15 +202,16 @@ def _changed(before: dict, after: dict):
             yield name, old, new
 
 
-def _changes(before: dict, dicts: dict, after: dict):
-    """``(name, key, old, new)`` for each attribute, or entry of a dict attribute, that the code
-    left different (``python_reads.MISSING`` where there was none, or is none now)."""
+def _changes(path: str, before: dict, inner: dict, after: dict):
+    """``(name, keys, old, new)`` for each attribute, or value held in a container or record
+    attribute, that the code left different (``python_reads.MISSING`` where there was none, or
+    is none now)."""
     for name, old, new in _changed(before, after):
-        yield name, ENTIRE, old, new
-    for name, entries in dicts.items():
+        yield name, (), old, new
+    for name, held in inner.items():
         if after.get(name) is before[name]:
-            for key, old, new in _changed(entries, after[name]):
-                yield name, key, old, new
+            for keys, old, new in held.changes((), list_appends.where(path, name)):
+                yield name, keys, old, new
 
 
 def _refusal(where: str, old, new, read: bool) -> str | None:
@@ -158,21 +247,25 @@ def _assignments(held: list, step: bool) -> list[Assignment]:
     """The changes to the attributes of each module ``held`` (see :func:`_held`) since, refused
     as the module docstring says."""
     found = []
-    for path, submodule, before, dicts in held:
+    what = "the step" if step else "the model's forward"
+    for path, submodule, before, inner in held:
         notes = python_reads.noted(submodule)
         recomputed = _recomputed(submodule)
-        for name, key, old, new in _changes(before, dicts, _attributes(submodule)):
+        try:
+            changes = list(_changes(path, before, inner, _attributes(submodule)))
+        except Error as error:
+            raise Error(f"{what} {error}: a compiled program's Python runs once, at capture, not at every call; "
+                        f"{_WAYS[step]}") from None
+        for name, keys, old, new in changes:
             if name in recomputed:
                 continue
-            attribute = list_appends.where(path, name)
-            where = attribute if key is ENTIRE else f"{attribute}[{key!r}]"
+            where = _where(list_appends.where(path, name), keys)
             refusal = _refusal(where, old, new, read=notes is None or name in notes)
             if refusal is not None:
-                what = "the step" if step else "the model's forward"
                 raise Error(f"{what} {refusal}: a compiled program's Python runs once, at capture, not at "
                             f"every call, and the module keeps its attributes as they were; {_WAYS[step]}")
             if old is python_reads.MISSING or new is python_reads.MISSING or not _same(old, new):
-                found.append(Assignment(weakref.ref(submodule), path, name, key, new))
+                found.append(Assignment(weakref.ref(submodule), path, name, keys, new))
     return found
 
 
@@ -212,7 +305,7 @@ def noted_in_forward(module: torch.nn.Module):
 def differing(first, second) -> str | None:
     """An attribute (``self.<path>.<name>``) that two captures' assignments leave different, or None."""
     def by_place(assignments):
-        return {(a.path, a.name, a.key): a for a in assignments}
+        return {(a.path, a.name, a.keys): a for a in assignments}
     ones, others = by_place(first), by_place(second)
     for place in ones.keys() | others.keys():
         one, other = ones.get(place), others.get(place)

@@ -1,5 +1,5 @@
 """The plain Python values (numbers, strings, ``None``, enum members, torch dtypes, and tuples,
-lists, sets and mappings of them) that a capture read from the attributes of the captured module
+lists, sets, mappings and records of them) that a capture read from the attributes of the captured module
 and its submodules.
 
 A capture bakes such a value into the program (``x * self.alpha`` multiplies by the constant
@@ -17,8 +17,11 @@ Nor are the attributes of torchmetrics objects: their states are the program's i
 outputs (``metric_states``), and their own bookkeeping (update counts) changes every call.
 """
 
+import argparse
 import contextlib
+import dataclasses
 import enum
+import types
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -122,11 +125,26 @@ def tensor_attributes(module: torch.nn.Module) -> tuple[Read, ...]:
                  if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter))
 
 
+def record_fields(value) -> dict | None:
+    """The fields of a plain record (a ``types.SimpleNamespace``, an ``argparse.Namespace``, a
+    dataclass instance: a model's configuration), by name; None for anything else."""
+    if type(value) in _RECORDS:
+        return vars(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = getattr(value, "__dict__", None)
+        return dict(fields) if fields is not None else {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    return None
+
+
+_RECORDS = (types.SimpleNamespace, argparse.Namespace)
+
+
 def snapshot(value):
     """``value`` as a guard compares it: a plain value (an enum member, a torch dtype too) itself;
-    a tuple, list, set or mapping (such as Lightning's ``hparams``) of plain values as a tagged
-    tuple of its items; None for anything else (a tensor, a module), which is not a guard. A list
-    standing in for the module's own during a capture (``list_appends``) is the list it copies."""
+    a tuple, list, set, mapping (such as Lightning's ``hparams``) or record (:func:`record_fields`)
+    of plain values as a tagged tuple of its items; None for anything else (a tensor, a module),
+    which is not a guard. A list standing in for the module's own during a capture
+    (``list_appends``) is the list it copies."""
     if isinstance(value, list_appends.Watched):
         value = list.copy(value)             # list's own: the stand-in notes its reads
     if type(value) in _PLAIN or isinstance(value, (enum.Enum, torch.dtype)):
@@ -142,6 +160,10 @@ def snapshot(value):
             return None
         items = _plain_snapshots(value.values())
         return None if items is None else ("mapping", tuple(zip(value, items)))
+    fields = record_fields(value)
+    if fields is not None:
+        items = _plain_snapshots(fields.values())
+        return None if items is None else (("record", type(value)), tuple(zip(fields, items)))
     return None
 
 

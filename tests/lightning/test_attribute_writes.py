@@ -1,7 +1,11 @@
 """A step's writes to its module's attributes: the step's Python runs once, at capture, so the
-Python values it assigns are made on the host after each call (a flag it reads and flips
-captures the step again), equal to the CPU's; a counter, an assigned tensor, and a value read and
-changed by a call of several steps are refused by name."""
+Python values it assigns, as attributes or inside the dicts, lists and records (configuration
+namespaces, ``hparams``) its module holds, are made on the host after each call (a flag it reads
+and flips captures the step again), equal to the CPU's; a counter, an assigned tensor, a list
+held inside them that grows, and a value read and changed by a call of several steps are
+refused by name."""
+
+import types
 
 import lightning.pytorch as pl
 import pytest
@@ -49,6 +53,24 @@ class CountsInADict(Writes):
         self.stats["seen"] = self.stats.get("seen", 0) + batch[0].shape[0]
 
 
+class CountsInItsHparams(Writes):
+    def __init__(self, seen=0):
+        super().__init__()
+        self.save_hyperparameters()
+
+    def validation_step(self, batch, batch_idx):
+        self.hparams.seen += batch[0].shape[0]
+
+
+class AppendsInItsConfiguration(Writes):
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(losses=[])
+
+    def validation_step(self, batch, batch_idx):
+        self.config.losses.append(self.loss(batch))
+
+
 class KeepsItPrivately(Writes):
     def validation_step(self, batch, batch_idx):
         self._last = self.loss(batch)
@@ -59,6 +81,9 @@ class KeepsItPrivately(Writes):
     (KeepsTheLastLoss, r"the step assigns a tensor to self.last:.*append it to a list"),
     (KeepsItInADict, r"the step assigns a tensor to self.stats\['loss'\]:.*buffer in place"),
     (KeepsItPrivately, r"the step assigns a tensor to self._last:"),
+    (CountsInItsHparams, r"the step changes self._hparams\['seen'\] \(0 -> 4\)"),
+    (AppendsInItsConfiguration, r"the step changes the length of self.config.losses, a list held in what the "
+                                r"module holds: .*append it to a list the module holds"),
 ])
 def test_a_step_that_changes_a_counter_or_assigns_a_tensor_is_refused(module, message):
     with pytest.raises(ipu_backend.Error, match=message):
@@ -82,6 +107,8 @@ class Flags(pl.LightningModule):
         self.warm, self._private_warm, self.phase, self.options, self.gone = True, True, "start", {"warm": True}, 1
         self.sub = torch.nn.Module()
         self.sub.seen = False
+        self.config = types.SimpleNamespace(schedule=types.SimpleNamespace(warm=True))
+        self.listed = [{"warm": True}]
 
     def loss(self, batch):
         return F.mse_loss(self.net(batch[0]), batch[1])
@@ -91,7 +118,7 @@ class Flags(pl.LightningModule):
 
     def state(self):
         return (self.warm, self._private_warm, self.phase, dict(self.options), hasattr(self, "gone"),
-                getattr(self, "batch", None), self.sub.seen)
+                getattr(self, "batch", None), self.sub.seen, self.config.schedule.warm, self.listed[0]["warm"])
 
 
 class FlipsAFlag(Flags):
@@ -125,6 +152,22 @@ class FlipsADictEntry(Flags):
         return loss
 
 
+class FlipsAFlagInANestedRecord(Flags):
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        if self.config.schedule.warm:
+            loss, self.config.schedule.warm = loss * 0.1, False
+        return loss
+
+
+class FlipsAFlagInAListedDict(Flags):
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        if self.listed[0]["warm"]:
+            loss, self.listed[0]["warm"] = loss * 0.1, False
+        return loss
+
+
 class OnlySets(Flags):
     def training_step(self, batch, batch_idx):
         self.sub.seen, self.batch = True, batch[0].shape[0]
@@ -138,8 +181,8 @@ class DeletesOne(Flags):
         return self.loss(batch)
 
 
-@pytest.mark.parametrize("module", [FlipsAFlag, FlipsAPrivateFlag, MovesToAPhase, FlipsADictEntry, OnlySets,
-                                    DeletesOne])
+@pytest.mark.parametrize("module", [FlipsAFlag, FlipsAPrivateFlag, MovesToAPhase, FlipsADictEntry,
+                                    FlipsAFlagInANestedRecord, FlipsAFlagInAListedDict, OnlySets, DeletesOne])
 def test_python_values_a_step_assigns_reach_the_host_and_train_as_on_the_cpu(module):
     ipu, cpu = twins(module)
     for model, accelerator in ((ipu, "ipu"), (cpu, "cpu")):
@@ -157,9 +200,9 @@ def test_a_value_only_set_reaches_the_host_from_a_call_of_several_steps():
     assert_same_weights(ipu, cpu)
 
 
-@pytest.mark.parametrize("module", [FlipsAFlag, FlipsADictEntry])
+@pytest.mark.parametrize("module", [FlipsAFlag, FlipsADictEntry, FlipsAFlagInANestedRecord])
 def test_a_value_read_and_changed_in_a_call_of_several_steps_is_refused(module):
-    with pytest.raises(ipu_backend.Error, match=r"training_step reads self\.(warm|options\['warm'\]) and changes "
+    with pytest.raises(ipu_backend.Error, match=r"training_step reads self\.(warm|options\['warm'\]|config\.schedule\.warm) and changes "
                                                 r"it: .*2 steps one call runs.*on_train_batch_start"):
         pl.Trainer(accelerator="ipu", devices=1, max_epochs=1, strategy=IPUStrategy(device_iterations=2),
                    **QUIET).fit(module(), loader(dataset(16), 4))
