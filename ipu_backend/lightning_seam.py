@@ -27,6 +27,7 @@ from ipu_backend.runtime.compile_progress import shown_by as compilations_shown_
 from ipu_backend.runtime.devices import memory_in_use
 from ipu_backend.runtime.executor import PoplarExecutor
 from ipu_backend.runtime.manual import ManualStepExecutor, SchedulerStep, Step, StepEvents
+from ipu_backend.runtime.weights import weight_reads_refused
 
 __all__ = [
     "DEFAULT_REPORT_DIR", "MK2", "TOTAL_SUFFIX", "GradientClipping", "ManualStepExecutor", "PoplarExecutor",
@@ -34,7 +35,7 @@ __all__ = [
     "broadcast_object",
     "compilations_shown_by",
     "coordinator_from_environment", "ipu_run_instance", "join_processes", "manual_step_executor",
-    "memory_in_use", "metrics_of", "step_arguments", "step_executor", "value_guard",
+    "memory_in_use", "metrics_of", "step_arguments", "step_executor", "value_guard", "weight_reads_refused",
 ]
 
 DEFAULT_REPORT_DIR = DEFAULT_DIR

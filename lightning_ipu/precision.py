@@ -26,9 +26,17 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from ipu_backend import lightning_seam as seam
+
 _PRECISION_INPUT = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
 SUPPORTED_PRECISIONS: tuple[str, ...] = get_args(_PRECISION_INPUT)
 _HALF = {"16": torch.float16, "bf16": torch.bfloat16}
+_READ_BEFORE_THE_UPDATE = (
+    "in a hook that runs between the training step and the optimizer step (on_before_zero_grad, "
+    "on_before_backward, on_after_backward, on_before_optimizer_step): on IPUs the compiled training step "
+    "has updated the weights already there, where on the CPU these hooks see the weights before the "
+    "update. Read the weights in on_train_batch_start (before the step) or on_train_batch_end (after it); "
+    "these hooks may read .grad")
 
 
 @contextlib.contextmanager
@@ -105,9 +113,13 @@ class IPUPrecision(Precision):
 
     @override
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        """Run the closure: its training step runs forward, backward and the update on the IPUs."""
-        closure_result = closure()
-        self._after_closure(model, optimizer)
+        """Run the closure: its training step runs forward, backward and the update on the IPUs.
+        The hooks between the step and the update (``on_before_zero_grad``, ``on_after_backward``,
+        ``on_before_optimizer_step``...) would see the updated weights where the CPU shows those
+        the step used, so their reads of the weights are refused."""
+        with seam.weight_reads_refused(model, _READ_BEFORE_THE_UPDATE):
+            closure_result = closure()
+            self._after_closure(model, optimizer)
         if self.shown_gradients is not None:
             self.shown_gradients.check_unchanged()
         # The update happened on the IPUs: tell torch's LR schedulers, which otherwise warn that

@@ -63,7 +63,7 @@ class _DeviceBacked:
                 _QUIET.reset(token)
         if not _QUIET.get():
             store = _owner(self)
-            if store is not None and (store.host_stale or name == "data"):
+            if store is not None and (store.host_stale or name == "data" or store.reads_refused is not None):
                 store.parameter_read(self, name)
         return super().__getattribute__(name)
 

@@ -18,6 +18,7 @@ Calls and copies of one module's weights hold its store's lock, so executors sha
 called from several threads: one call at a time, every update kept.
 """
 
+import contextlib
 import weakref
 
 import jax
@@ -79,6 +80,8 @@ class WeightStore:
         self.on_host_load = []         # callbacks run with the names of the host writes loaded
         self.lock = QuietLock()
         """Held by every call and copy of these weights: one at a time, from any thread."""
+        self.reads_refused: str | None = None
+        """Why a read of the weights is refused now (:func:`weight_reads_refused`), if it is."""
         self._agreed: dict[str, tuple] = {}
         """name -> (tensor, version, data pointer) as of the device's last update, for each
         host tensor that then held the device's value."""
@@ -256,6 +259,9 @@ class WeightStore:
         """A parameter of the module, wherever held, is read (``held_parameters.py``): the
         device's weights reach the host first; a read of ``.data`` counts as a host write."""
         with quiet():
+            if self.reads_refused is not None:
+                name = next((n for n, p in self.module.named_parameters() if p is parameter), "a parameter")
+                raise Error(f"{name} was read {self.reads_refused}")
             if self.host_stale:
                 self.implicit_copy()
             if attribute == "data":
@@ -269,6 +275,19 @@ def weight_store(module: torch.nn.Module) -> WeightStore:
         store = _STORES[module] = WeightStore(module)
         _make_host_syncing(module)
     return store
+
+
+@contextlib.contextmanager
+def weight_reads_refused(module: torch.nn.Module, why: str):
+    """Within the block, a read of a parameter of ``module`` (its values: metadata and ``.grad``
+    stay readable) raises an error saying it was read ``why``: where what the host would show
+    is not what torch shows there."""
+    store = weight_store(module)
+    store.reads_refused = why
+    try:
+        yield
+    finally:
+        store.reads_refused = None
 
 
 def refuse_second_training_wrapper(module: torch.nn.Module) -> None:

@@ -1,6 +1,7 @@
 """Lightning's gradient hooks (``on_after_backward``, ``on_before_optimizer_step``) read ``.grad``
 on IPUs as on the CPU: the gradients the optimizer step used; a hook that changes them is refused
-(the update already ran on the device). fp32: 1e-5 relative (1e-6 absolute)."""
+(the update already ran on the device), and so is one that reads the weights, which the CPU
+shows as they were before the update. fp32: 1e-5 relative (1e-6 absolute)."""
 
 import lightning.pytorch as pl
 import pytest
@@ -8,6 +9,7 @@ import torch
 from lightning.pytorch.utilities import grad_norm
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+import ipu_backend
 from lightning_ipu import IPUStrategy
 from tests.lightning.helpers import QUIET, Regressor, assert_same_weights, dataset, loader, twins
 
@@ -87,3 +89,34 @@ def test_a_hook_that_changes_gradients_is_refused(module):
     with pytest.raises(MisconfigurationException, match=r"the \.grad of net\.0\.weight was changed in a gradient "
                                                          rf"hook \({module.__name__}\.on_.*before these hooks"):
         fit(module(), "ipu", 4)
+
+
+class AveragesWeights(pl.Callback):
+    """An exponential moving average of the weights, updated in ``hook``."""
+
+    def __init__(self, hook: str):
+        self.average = None
+        setattr(self, hook, self.update)
+
+    def update(self, trainer, pl_module, *args):
+        weights = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
+        self.average = weights.clone() if self.average is None else 0.9 * self.average + 0.1 * weights
+
+
+@pytest.mark.parametrize("hook", ["on_before_zero_grad", "on_after_backward", "on_before_optimizer_step"])
+def test_a_hook_between_the_step_and_the_update_that_reads_the_weights_is_refused(hook):
+    with pytest.raises(ipu_backend.Error, match=r"net\.0\.weight was read in a hook that runs between the training "
+                                                r"step and the optimizer step .*on_train_batch_end"):
+        pl.Trainer(accelerator="ipu", callbacks=[AveragesWeights(hook)], max_epochs=1, **QUIET).fit(
+            Regressor(), loader(dataset(8), 4))
+
+
+def test_weights_read_after_the_update_are_the_cpus():
+    ipu, cpu = twins(Regressor)
+    averages = {}
+    for module, accelerator in ((ipu, "ipu"), (cpu, "cpu")):
+        averages[accelerator] = AveragesWeights("on_train_batch_end")
+        pl.Trainer(accelerator=accelerator, callbacks=[averages[accelerator]], max_epochs=1, **QUIET).fit(
+            module, loader(dataset(32), 4))
+    torch.testing.assert_close(averages["ipu"].average, averages["cpu"].average, rtol=1e-5, atol=1e-6)
+    assert_same_weights(ipu, cpu)
