@@ -129,7 +129,7 @@ def record_fields(value) -> dict | None:
     """The fields of a plain record (a ``types.SimpleNamespace``, an ``argparse.Namespace``, a
     dataclass instance: a model's configuration), by name; None for anything else."""
     if type(value) in _RECORDS:
-        return vars(value)
+        return dict(vars(value))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = getattr(value, "__dict__", None)
         return dict(fields) if fields is not None else {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}

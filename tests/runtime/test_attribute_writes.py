@@ -50,8 +50,9 @@ def test_a_flag_a_forward_flips_reaches_the_host_and_infers_as_torch():
         assert (model.warm, model.shape) == (reference.warm, reference.shape) == (False, (3, 4))
 
 
-def test_a_flag_a_forward_flips_trains_as_torch():
-    model, reference = twins()
+def train_alike(model, reference, held):
+    """Three training calls of ``model`` and three torch steps of ``reference``: equal losses,
+    equal ``held(model)`` after each, equal weights."""
     x, target = torch.randn(3, 4), torch.randn(3, 2)
     compiled = poptorch.trainingModel(model, optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1))
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -62,8 +63,14 @@ def test_a_flag_a_forward_flips_trains_as_torch():
         expected.backward()
         optimizer.step()
         torch.testing.assert_close(loss, expected.detach(), rtol=RTOL, atol=ATOL)
+        assert held(model) == held(reference)
     compiled.copyWeightsToHost()
     torch.testing.assert_close(model.linear.weight, reference.linear.weight, rtol=RTOL, atol=ATOL)
+
+
+def test_a_flag_a_forward_flips_trains_as_torch():
+    model, reference = twins()
+    train_alike(model, reference, lambda m: m.warm)
     assert model.warm is reference.warm is False
 
 
@@ -151,19 +158,8 @@ def held_flag(model):
                          ids=["dataclass", "namespace", "argparse", "nested-dict"])
 def test_a_flag_held_in_a_configuration_record_or_a_nested_dict_trains_as_torch(make):
     model, reference = held_twins(make)
-    x, target = torch.randn(3, 4), torch.randn(3, 2)
-    compiled = poptorch.trainingModel(model, optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1))
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for _ in range(3):
-        _, loss = compiled(x, target)
-        optimizer.zero_grad()
-        _, expected = reference(x, target)
-        expected.backward()
-        optimizer.step()
-        torch.testing.assert_close(loss, expected.detach(), rtol=RTOL, atol=ATOL)
-        assert held_flag(model) == held_flag(reference)
-    compiled.copyWeightsToHost()
-    torch.testing.assert_close(model.linear.weight, reference.linear.weight, rtol=RTOL, atol=ATOL)
+    train_alike(model, reference, held_flag)
+    assert held_flag(model) in (False, [{"warm": False}])
 
 
 def test_a_configuration_value_changed_on_the_host_between_calls_infers_as_torch():
