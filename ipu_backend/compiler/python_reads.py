@@ -242,7 +242,20 @@ def described(read, value) -> str:
     if isinstance(read.value, TensorState):
         how = "changed in place" if value is read.value.tensor() else "replaced"
         return f"{read.attribute} (a tensor, {how})"
-    return f"{read.attribute} ({read.value!r} -> {value!r})"
+    return f"{read.attribute} ({_shown(read.value)} -> {value!r})"
+
+
+def _shown(frozen) -> str:
+    """A :func:`snapshot` written as the value it was taken of."""
+    if type(frozen) is not tuple:
+        return repr(frozen)
+    tag, items = frozen
+    if tag == "mapping":
+        return "{" + ", ".join(f"{key!r}: {_shown(item)}" for key, item in items) + "}"
+    if type(tag) is tuple:                                   # ("record", its class)
+        return f"{tag[1].__name__}(" + ", ".join(f"{key}={_shown(item)}" for key, item in items) + ")"
+    shown = ", ".join(_shown(item) for item in items)
+    return {"list": f"[{shown}]", "set": f"{{{shown}}}"}.get(tag, f"({shown}{',' if len(items) == 1 else ''})")
 
 
 def changed(reads: tuple[Read, ...]) -> list[tuple[Read, object]]:

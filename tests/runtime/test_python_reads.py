@@ -5,6 +5,7 @@ fp32: 1e-5 relative (1e-6 absolute)."""
 import copy
 import enum
 import logging
+import types
 import warnings
 
 import pytest
@@ -99,6 +100,34 @@ def test_settings_in_a_mapping_and_an_attribute_that_stops_being_none_are_guarde
     torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
     model.offset = torch.ones(2)
     torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def shifted(x, config):
+    return x + config.shift
+
+
+class ConfiguredByRecord(torch.nn.Module):
+    """Hands its configuration record to a helper, which reads a field off it."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+        self.config = types.SimpleNamespace(shift=0.5)
+
+    def forward(self, x):
+        return shifted(self.linear(x), self.config)
+
+
+def test_a_configuration_record_a_helper_reads_is_guarded_and_shown_as_written(caplog):
+    torch.manual_seed(0)
+    model, x = ConfiguredByRecord(), torch.randn(4, 4)
+    inference = poptorch.inferenceModel(model)
+    torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
+    model.config.shift = -1.0
+    with caplog.at_level(logging.INFO, logger="ipu_backend"):
+        torch.testing.assert_close(inference(x), model(x), rtol=1e-5, atol=1e-6)
+    assert any("config (SimpleNamespace(shift=0.5) -> namespace(shift=-1.0))" in r.getMessage()
+               for r in caplog.records)
 
 
 class Gated(torch.nn.Module):
