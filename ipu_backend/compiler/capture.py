@@ -632,14 +632,21 @@ _TORCH_DECOMPOSED = (
 decompositions (``torch._decomp``) into indexing and arithmetic, so they compute torch's formula."""
 
 
+_KEPT_WHOLE = (torch.ops.aten.detach.default, torch.ops.aten.std.correction, torch.ops.aten.std_mean.correction)
+"""Ops core ATen decomposes whose decomposition differentiates otherwise: ``detach`` becomes a
+plain ``alias``, through which gradients would flow; ``std`` becomes ``sqrt(var)``, whose
+gradient is NaN where the deviation is 0 (constant rows, padding), where torch's is 0."""
+
+
 @functools.cache
 def _split_core_aten_decompositions() -> tuple[dict, dict]:
-    """torch's default core-ATen table split into CIA overrides and Python decompositions, once.
-    ``detach`` is kept: decomposed, it becomes a plain ``alias`` and gradients would flow through."""
+    """torch's default core-ATen table, but :data:`_KEPT_WHOLE`, split into CIA overrides and
+    Python decompositions, once."""
     with _cia_ops_materialized_once():
         table = dict(torch.export.default_decompositions().items())
         table.update(torch._decomp.get_decompositions(_TORCH_DECOMPOSED))
-        table.pop(torch.ops.aten.detach.default, None)
+        for op in _KEPT_WHOLE:
+            table.pop(op, None)
         return _exported_program._split_decomp_table_to_cia_and_python_decomp(table)
 
 

@@ -34,11 +34,12 @@ MODELS = {
 
 
 def _table() -> dict:
-    """torch's core-ATen table as the capture uses it: without ``detach``, with torch's own
-    decompositions of the ops core ATen keeps whole that have no lowering."""
+    """torch's core-ATen table as the capture uses it: without ``detach`` and ``std``, with
+    torch's own decompositions of the ops core ATen keeps whole that have no lowering."""
     table = dict(torch.export.default_decompositions().items())
     table.update(torch._decomp.get_decompositions(capture._TORCH_DECOMPOSED))
-    table.pop(torch.ops.aten.detach.default)
+    for op in (torch.ops.aten.detach.default, torch.ops.aten.std.correction, torch.ops.aten.std_mean.correction):
+        table.pop(op)
     return table
 
 

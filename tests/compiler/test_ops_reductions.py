@@ -123,6 +123,9 @@ STATISTICS_CASES = [
     OpCase("var_mean_and_std_mean", lambda x: (*torch.var_mean(x, (0, 2), correction=0),
                                                *torch.std_mean(x, -1, keepdim=True)),
            randn((3, 4, 2)), ops=(aten.var_mean.correction,)),
+    # torch's std gradient is 0 where the deviation is 0; sqrt(var) differentiated would be NaN
+    OpCase("std_and_std_mean_of_a_constant_row", lambda x: (x.std(1), *torch.std_mean(x, 1, correction=0)),
+           given([[2.0, 2.0, 2.0], [1.0, -1.0, 3.0]]), ops=(aten.std.correction, aten.std_mean.correction)),
     OpCase("median_nanmedian_all_ties", lambda x: (x.median(), x.nanmedian()), ties((3, 5)),
            ops=(aten.median.default, aten.nanmedian.default)),
     OpCase("median_nanmedian_all_nan", lambda x: (x.median(), x.nanmedian()), NAN_ROWS,

@@ -202,6 +202,32 @@ def var_mean(ctx, x, dim=None, *, correction=None, keepdim=False):
     return _var_and_mean(x, dim, correction, keepdim)
 
 
+@jax.custom_jvp
+def _deviation(variance):
+    """``sqrt(variance)``, differentiated as torch differentiates ``std``: 0 where it is 0 (every
+    element equal), where the square root's derivative would make it NaN."""
+    return jnp.sqrt(variance)
+
+
+@_deviation.defjvp
+def _deviation_jvp(primals, tangents):
+    (variance,), (tangent,) = primals, tangents
+    deviation = jnp.sqrt(variance)
+    zero = deviation == 0
+    return deviation, jnp.where(zero, 0, tangent / (2 * jnp.where(zero, 1, deviation)))
+
+
+@lowering(aten.std.correction)
+def std(ctx, x, dim=None, *, correction=None, keepdim=False):
+    return _deviation(_var_and_mean(x, dim, correction, keepdim)[0])
+
+
+@lowering(aten.std_mean.correction)
+def std_mean(ctx, x, dim=None, *, correction=None, keepdim=False):
+    variance, mean_ = _var_and_mean(x, dim, correction, keepdim)
+    return _deviation(variance), mean_
+
+
 @lowering(aten.any.default, aten.any.dim, aten.any.dims)
 def any_(ctx, x, dim=None, keepdim=False):
     return jnp.any(x != 0, axis=_axes(dim, x.ndim), keepdims=keepdim)
