@@ -1,6 +1,6 @@
 """The plain Python values (numbers, strings, ``None``, enum members, torch dtypes, and tuples,
-lists, sets, mappings and records of them) that a capture read from the attributes of the captured module
-and its submodules.
+lists, sets, mappings and records of them) that a capture read from the attributes of the
+captured module and its submodules.
 
 A capture bakes such a value into the program (``x * self.alpha`` multiplies by the constant
 ``self.alpha`` had), so the program computes what the module computes only while each of them
