@@ -131,8 +131,9 @@ def record_fields(value) -> dict | None:
     if type(value) in _RECORDS:
         return dict(vars(value))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = getattr(value, "__dict__", None)
-        return dict(fields) if fields is not None else {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        if hasattr(value, "__dict__"):
+            return dict(vars(value))
+        return {field.name: getattr(value, field.name) for field in dataclasses.fields(value)}     # slots
     return None
 
 
