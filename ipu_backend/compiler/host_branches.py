@@ -271,7 +271,7 @@ def _check_same_structure(a: Variant, b: Variant) -> None:
                           "each call, the same for every micro-batch)")
     if difference is None:
         return
-    raise Error(f"the branches of the Python `if` at {diverging_line(a, b)} differ: {difference}. A step "
+    raise Error(f"{_branch_point(a, b)} differ: {difference}. A step "
                 "that branches on batch_idx, self.current_epoch or self.global_step runs one compiled "
                 "program whose branches must return the same structure and make the same self.log "
                 "calls: log the same names in every branch (or choose the value with torch.where)")
@@ -279,7 +279,24 @@ def _check_same_structure(a: Variant, b: Variant) -> None:
 
 def diverging_line(a: Variant, b: Variant) -> str:
     """The line of the first guard whose outcome differs between two variants."""
+    return _diverging_guard(a, b).location
+
+
+def _diverging_guard(a: Variant, b: Variant) -> Guard:
     for ga, gb in zip(a.program.guards, b.program.guards):
         if not (ga.outcome == gb.outcome):
-            return gb.location
-    return (b.program.guards or a.program.guards)[0].location
+            return gb
+    return (b.program.guards or a.program.guards)[0]
+
+
+def _branch_point(a: Variant, b: Variant) -> str:
+    """Where two variants part, as the user's code does it: an ``if`` (a tensor's truth value),
+    or a Python number taken from a tensor (``float(batch_idx)``) that each variant holds another
+    value of."""
+    guard = _diverging_guard(a, b)
+    if guard.conversion is torch.Tensor.__bool__:
+        return f"the branches of the Python `if` at {guard.location}"
+    name = guard.conversion.__name__.strip("_")
+    return (f"the captures for each value of the Python number {name}(...) takes from a tensor at "
+            f"{guard.location} (keep it a tensor where the step only computes or logs it: "
+            "torch.as_tensor(x, dtype=torch.float32), not float(x))")

@@ -119,6 +119,30 @@ def test_branches_that_log_differently_name_the_line_and_the_fix():
         trainer.fit(LogsInOneBranch(), loader(dataset(16), 2))
 
 
+class LogsTheBatchIndex(Regressor):
+    def training_step(self, batch, batch_idx):
+        self.log("batch", float(batch_idx))
+        return F.mse_loss(self.net(batch[0]), batch[1])
+
+
+class LogsTheBatchIndexAsATensor(Regressor):
+    def training_step(self, batch, batch_idx):
+        self.log("batch", torch.as_tensor(batch_idx, dtype=torch.float32), reduce_fx="max")
+        return F.mse_loss(self.net(batch[0]), batch[1])
+
+
+def test_a_number_taken_from_a_counter_and_logged_names_the_line_and_the_fix():
+    trainer = pl.Trainer(accelerator="ipu", strategy=IPUStrategy(device_iterations=2), max_steps=2, **QUIET)
+    with pytest.raises(ipu_backend.Error, match=r"each value of the Python number float\(\.\.\.\) takes from a "
+                                                r"tensor at .*test_counter_branches.py:\d+: self.log\(.*torch.as_tensor"):
+        trainer.fit(LogsTheBatchIndex(), loader(dataset(16), 2))
+    trainers = {}
+    for accelerator in ("ipu", "cpu"):
+        trainers[accelerator] = pl.Trainer(accelerator=accelerator, max_epochs=1, **QUIET)
+        trainers[accelerator].fit(LogsTheBatchIndexAsATensor(), loader(dataset(16), 4))
+    assert float(trainers["ipu"].callback_metrics["batch"]) == float(trainers["cpu"].callback_metrics["batch"]) == 3
+
+
 class BranchesOnData(Regressor):
     def training_step(self, batch, batch_idx):
         x, y = batch
