@@ -133,8 +133,9 @@ class LogsTheBatchIndexAsATensor(Regressor):
 
 def test_a_number_taken_from_a_counter_and_logged_names_the_line_and_the_fix():
     trainer = pl.Trainer(accelerator="ipu", strategy=IPUStrategy(device_iterations=2), max_steps=2, **QUIET)
-    with pytest.raises(ipu_backend.Error, match=r"each value of the Python number float\(\.\.\.\) takes from a "
-                                                r"tensor at .*test_counter_branches.py:\d+: self.log\(.*torch.as_tensor"):
+    with pytest.raises(ipu_backend.Error, match=r"each value of the Python number float\(\.\.\.\) takes from "
+                                                r"a tensor at .*test_counter_branches.py:\d+: self.log\(.*"
+                                                r"torch.as_tensor"):
         trainer.fit(LogsTheBatchIndex(), loader(dataset(16), 2))
     trainers = {}
     for accelerator in ("ipu", "cpu"):
