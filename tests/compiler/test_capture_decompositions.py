@@ -38,7 +38,7 @@ def _table() -> dict:
     torch's own decompositions of the ops core ATen keeps whole that have no lowering."""
     table = dict(torch.export.default_decompositions().items())
     table.update(torch._decomp.get_decompositions(capture._TORCH_DECOMPOSED))
-    for op in (torch.ops.aten.detach.default, torch.ops.aten.std.correction, torch.ops.aten.std_mean.correction):
+    for op in capture._KEPT_WHOLE:
         table.pop(op)
     return table
 

@@ -33,10 +33,10 @@ class WarmsUp(torch.nn.Module):
         return y if target is None else (y, F.mse_loss(y, target))
 
 
-def twins():
+def twins(make=WarmsUp):
+    """``make()`` twice, with the same weights: the compiled model and torch's reference."""
     torch.manual_seed(0)
-    model = WarmsUp()
-    reference = WarmsUp()
+    model, reference = make(), make()
     reference.load_state_dict(model.state_dict())
     return model, reference
 
@@ -141,13 +141,6 @@ class Phased(torch.nn.Module):
         return y if target is None else (y, F.mse_loss(y, target))
 
 
-def held_twins(make):
-    torch.manual_seed(0)
-    model, reference = make(), make()
-    reference.load_state_dict(model.state_dict())
-    return model, reference
-
-
 def held_flag(model):
     return model.phases if isinstance(model, Phased) else model.config.warm
 
@@ -157,13 +150,13 @@ def held_flag(model):
                                   lambda: Configured(argparse.Namespace(warm=True, scale=2.0)), Phased],
                          ids=["dataclass", "namespace", "argparse", "nested-dict"])
 def test_a_flag_held_in_a_configuration_record_or_a_nested_dict_trains_as_torch(make):
-    model, reference = held_twins(make)
+    model, reference = twins(make)
     train_alike(model, reference, held_flag)
     assert held_flag(model) in (False, [{"warm": False}])
 
 
 def test_a_configuration_value_changed_on_the_host_between_calls_infers_as_torch():
-    model, reference = held_twins(lambda: Configured(Schedule(warm=False)))
+    model, reference = twins(lambda: Configured(Schedule(warm=False)))
     x = torch.randn(3, 4)
     compiled = poptorch.inferenceModel(model)
     for scale in (2.0, 0.5, 0.5):
