@@ -127,6 +127,22 @@ class IPUPrecision(Precision):
         optimizer._opt_called = True
         return closure_result
 
+    def host_optimizer_step(self, optimizer, model, closure: Callable[[], Any]) -> Any:
+        """Lightning's own optimizer step, on the host: the closure, the hooks, the clipping the
+        Trainer asked for, torch's step (the step of an epoch without backward,
+        ``_skipped_backward.py``)."""
+        closure_result = closure()
+        self._after_closure(model, optimizer)
+        self.clip_on_host(optimizer)
+        optimizer.step()
+        return closure_result
+
+    def clip_on_host(self, optimizer) -> None:
+        """Clip the ``.grad`` the host holds as the Trainer asked, with Lightning's clipping."""
+        if self.gradient_clipping is not None:
+            value, algorithm = self.gradient_clipping
+            super().clip_gradients(optimizer, value, GradClipAlgorithmType(algorithm))
+
     @override
     def clip_gradients(self, optimizer, clip_val: int | float = 0.0,
                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:

@@ -82,7 +82,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 import ipu_backend
 from ipu_backend import lightning_seam as seam
 from lightning_ipu import _appends, _compile_progress, _counters, _data, _gradient_hooks, _loop_progress, _metrics
-from lightning_ipu import _outputs, _processes, _short_batches
+from lightning_ipu import _outputs, _processes, _short_batches, _skipped_backward
 
 from .precision import IPUPrecision
 
@@ -166,6 +166,8 @@ class IPUStrategy(ParallelStrategy):
         self._manual_events: seam.StepEvents | None = None
         self._gradient_clipping: seam.GradientClipping | None = None
         self._shown_gradients: _gradient_hooks.ShownGradients | None = None
+        self._keep_last_gradients = False
+        """Whether training calls keep their gradients for an epoch without backward."""
         self._trainer = None
         self._accumulate_grad_batches: int | None = None
         self._num_nodes = 1
@@ -439,6 +441,9 @@ class IPUStrategy(ParallelStrategy):
         hooks = _gradient_hooks.hooks_read_gradients(module, trainer.callbacks) if module.automatic_optimization else []
         self._shown_gradients = _gradient_hooks.ShownGradients(hooks) if hooks else None
         self.precision_plugin.shown_gradients = self._shown_gradients
+        self._keep_last_gradients = _skipped_backward.may_skip_backward(trainer, module)
+        if self._keep_last_gradients:
+            _skipped_backward.check_precision(self.precision_plugin.precision)
 
     @override
     def teardown(self) -> None:
@@ -471,7 +476,9 @@ class IPUStrategy(ParallelStrategy):
     # --- steps -------------------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._trainer.accumulate_grad_batches != 1:
+        if _skipped_backward.skips_backward(self._trainer):
+            return self._forward_only_training_step(args, kwargs)
+        if self._trainer.accumulate_grad_batches != 1 and self.lightning_module.automatic_optimization:
             raise MisconfigurationException(
                 f"accumulate_grad_batches changed to {self._trainer.accumulate_grad_batches} during the fit (a "
                 "GradientAccumulationScheduler?): the IPUs accumulate inside each host call, over the "
@@ -488,6 +495,27 @@ class IPUStrategy(ParallelStrategy):
             self._after_manual_step(self._executors["training_step"].last_events, iterations)
         return output
 
+    def _forward_only_training_step(self, args: tuple, kwargs: dict) -> Any:
+        """A training step of an epoch without backward (``_skipped_backward.py``)."""
+        key = "training_step (forward only)"
+        if key not in self._executors:
+            self._executors[key] = seam.step_executor(
+                self.lightning_module, _skipped_backward.forward_only_options(self._training_opts),
+                "training_step", False)
+        with self.precision_plugin.train_step_context():
+            output = self._run("training_step", args, kwargs, self._executors[key])
+        _skipped_backward.leave_last_gradients(self.lightning_module, self._executors["training_step"].gradients())
+        self.precision_plugin.clip_on_host(self.optimizers[0])
+        return output
+
+    @override
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        """The IPUs' step runs in the closure, but the step of an epoch without backward is
+        Lightning's own, on the host (``_skipped_backward.py``)."""
+        if not _skipped_backward.skips_backward(self._trainer):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        return self.precision_plugin.host_optimizer_step(optimizer, model or self.lightning_module, closure)
+
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
@@ -503,11 +531,11 @@ class IPUStrategy(ParallelStrategy):
         with self.precision_plugin.predict_step_context():
             return self._run("predict_step", args, kwargs)
 
-    def _run(self, method: str, args: tuple, kwargs: dict) -> Any:
+    def _run(self, method: str, args: tuple, kwargs: dict, executor: seam.PoplarExecutor | None = None) -> Any:
         if kwargs:
             raise MisconfigurationException(f"IPUStrategy.{method} takes the step's arguments "
                                             f"positionally; got keywords {sorted(kwargs)}")
-        executor = self._executor(method)
+        executor = executor or self._executor(method)
         factor = _data.micro_batches_per_call(executor.options)
         if method != "training_step":
             micro = self._loader_micro_batch_size(args)
@@ -590,7 +618,7 @@ class IPUStrategy(ParallelStrategy):
                 self.lightning_module, self._training_opts if training else self._inference_opts, method,
                 training, optimizer=self.optimizers[0] if training else None,
                 gradient_clipping=self._gradient_clipping if training else None,
-                keep_gradients=training and self._shown_gradients is not None)
+                keep_gradients=training and (self._shown_gradients is not None or self._keep_last_gradients))
             self._executors[method] = executor
         return executor
 
