@@ -428,6 +428,13 @@ def _refuse_changes_through_detach(graph_module: torch.fx.GraphModule) -> None:
             base = _detached_base(alias) if _writes(node, alias) else None
             if base is not None and _has_gradient(base) and any(order[user] > order[node] for user in base.users):
                 where = user_location(node.meta.get("stack_trace")) or "unknown source line"
+                if node.target is torch.ops.aten.embedding_renorm_.default:
+                    raise Error(f"max_norm of nn.Embedding, nn.EmbeddingBag or F.embedding at {where} renormalizes "
+                                "the looked-up rows of the weight in place during forward, and a compiled program "
+                                "changes parameters only through the optimizer's update. Remove max_norm, or "
+                                "renormalize the weight on the host before each call (with torch.no_grad(): "
+                                "weight.renorm_(2, 0, max_norm), which changes every row), which the next call "
+                                "computes with")
                 raise Error(f"the model changes a tensor in place through .detach() at {where} and uses the "
                             "tensor afterwards: torch keeps its gradient history through such a change, which "
                             "the compiled program would lose. Make the change on the tensor itself under "

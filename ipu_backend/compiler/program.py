@@ -392,6 +392,18 @@ def canonical_names(module: torch.nn.Module) -> dict[str, str]:
     return names
 
 
+def _refuse_parameter_change(exported, spec, name: str) -> None:
+    """A parameter that forward changes in place (``with torch.no_grad(): self.w.clamp_(...)``):
+    a compiled step changes parameters through its optimizer update only."""
+    written = next((node for node in exported.graph.nodes if node.name == spec.arg.name), None)
+    where = user_location(written.meta.get("stack_trace") if written is not None else None)
+    raise Error(f"forward changes the parameter {name} in place{f' at {where}' if where else ''}: a compiled "
+                "program changes parameters only through the optimizer's update. Make the change on the "
+                "host before each call (with torch.no_grad(): ...clamp_(...) in a callback or the training "
+                "loop; the next call computes with it), or compute with a changed copy in forward "
+                f"(w = {name.rpartition('.')[2]}.clamp(...)), whose gradient differs from torch's")
+
+
 def _build(module, exported, prefix: str, logs: tuple | None, keywords: tuple[str, ...] = (),
            host_inputs: bool = True) -> Program:
     """The Program of ``exported`` (a capture of ``module``, its weights named with ``prefix``);
@@ -426,6 +438,8 @@ def _build(module, exported, prefix: str, logs: tuple | None, keywords: tuple[st
         elif spec.kind == OutputKind.USER_INPUT_MUTATION:
             mutated_inputs.append(user_names.index(spec.target))
             mutation_kinds.append(OutputKind.USER_INPUT_MUTATION)
+        elif spec.kind == OutputKind.PARAMETER_MUTATION:
+            _refuse_parameter_change(exported, spec, strip(spec.target))
         elif spec.kind != OutputKind.USER_OUTPUT:
             raise Error(f"the program updates {spec.target} in place ({spec.kind.name}); only buffers "
                         "and inputs may be updated in place: return the new value instead")

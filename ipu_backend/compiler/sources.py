@@ -40,7 +40,8 @@ def user_location(stack_trace: str | None) -> str | None:
     if not stack_trace:
         return None
     frames = [(path, int(line)) for path, line in _FRAME.findall(stack_trace)]
-    user = [f for f in frames if not is_library_file(f[0])] or frames
+    files = [f for f in frames if not f[0].startswith("<eval_with_key>")]       # not FX's generated code
+    user = [f for f in files if not is_library_file(f[0])] or files
     return location(*user[-1]) if user else None
 
 

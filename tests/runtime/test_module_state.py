@@ -266,6 +266,36 @@ def test_a_tensor_with_history_changed_through_detach_is_refused():
     assert_same_parameters(model, reference)
 
 
+class ChangesItsWeight(torch.nn.Module):
+    """A parameter changed in forward: clamped under no_grad, or an embedding's rows renormalized
+    by ``max_norm``."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.embedding = torch.nn.Embedding(10, 4, max_norm=1.0 if how == "max_norm" else None)
+
+    def forward(self, indices):
+        if self.how == "clamp":
+            with torch.no_grad():
+                self.embedding.weight.clamp_(-0.1, 0.1)
+        return (self.embedding(indices) ** 2).mean()
+
+
+@pytest.mark.parametrize("how, message", [
+    ("clamp", r"forward changes the parameter embedding\.weight in place.*only through the optimizer.*on the host"),
+    ("max_norm", r"max_norm of nn\.Embedding.*at .*test_module_state\.py.*Remove max_norm, or renormalize the weight "
+                 r"on the host"),
+])
+def test_a_parameter_changed_in_forward_is_refused_naming_it_and_the_fix(how, message):
+    model = ChangesItsWeight(how)
+    for ipu in (poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05)),
+                poptorch.inferenceModel(model)):
+        with pytest.raises(poptorch.Error, match=message):
+            ipu(torch.randint(0, 10, (6,)))
+        ipu.destroy()
+
+
 class Checkpointed(torch.nn.Module):
     """Activation checkpointing the reentrant way, which runs the block under no_grad and again
     with gradients in torch's backward: on the input (the block gets no gradient in torch: no
