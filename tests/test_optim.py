@@ -140,6 +140,26 @@ TORCH_CASES = {
                                                                   maximize=True),
     "rmsprop_centered": lambda m: torch.optim.RMSprop(m.parameters(), lr=0.01, centered=True,
                                                       momentum=0.5),
+    # torch's optimizers PopTorch has none of
+    "adagrad": lambda m: torch.optim.Adagrad(m.parameters(), lr=0.1),
+    "adagrad_decays_maximize": lambda m: torch.optim.Adagrad(m.parameters(), lr=0.1, lr_decay=0.05, weight_decay=0.1,
+                                                             initial_accumulator_value=0.2, eps=1e-6, maximize=True),
+    "adadelta": lambda m: torch.optim.Adadelta(m.parameters()),
+    "adadelta_wd_maximize": lambda m: torch.optim.Adadelta(m.parameters(), lr=0.5, rho=0.8, eps=1e-4,
+                                                           weight_decay=0.1, maximize=True),
+    "adamax": lambda m: torch.optim.Adamax(m.parameters(), lr=0.01),
+    "adamax_wd_maximize": lambda m: torch.optim.Adamax(m.parameters(), lr=0.02, betas=(0.8, 0.99), eps=1e-4,
+                                                       weight_decay=0.1, maximize=True),
+    "nadam": lambda m: torch.optim.NAdam(m.parameters(), lr=0.01),
+    "nadam_decoupled_maximize": lambda m: torch.optim.NAdam(m.parameters(), lr=0.01, betas=(0.8, 0.99),
+                                                            weight_decay=0.1, momentum_decay=0.01,
+                                                            decoupled_weight_decay=True, maximize=True),
+    "nadam_coupled": lambda m: torch.optim.NAdam(m.parameters(), lr=0.01, weight_decay=0.1),
+    "radam": lambda m: torch.optim.RAdam(m.parameters(), lr=0.01),
+    "radam_decoupled_maximize": lambda m: torch.optim.RAdam(m.parameters(), lr=0.01, betas=(0.8, 0.9),
+                                                            weight_decay=0.1, decoupled_weight_decay=True,
+                                                            maximize=True),
+    "radam_coupled": lambda m: torch.optim.RAdam(m.parameters(), lr=0.01, betas=(0.9, 0.99), weight_decay=0.1),
     # PopTorch's classes, whose extra options leave torch's numbers unchanged
     "ipu_sgd_combined": lambda m: optim.SGD(m.parameters(), lr=0.1, momentum=0.9, nesterov=True,
                                             use_combined_accum=True, velocity_scaling=3.0,
@@ -155,6 +175,26 @@ TORCH_CASES = {
 def test_update_matches_torch(case):
     model, _ = torch_run(TORCH_CASES[case])
     assert_params(RuleRun(TORCH_CASES[case]).run().params, model_params(model))
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    lambda p: torch.optim.Adam(p, lr=0.01),
+    lambda p: torch.optim.RMSprop(p, lr=0.01),
+    lambda p: torch.optim.Adagrad(p, lr=0.1),
+], ids=["sgd", "adam", "rmsprop", "adagrad"])
+def test_an_infinite_weight_without_weight_decay_stays_infinite_as_in_torch(make):
+    """torch leaves out the weight-decay term when the decay is 0: 0 * inf would be NaN."""
+    weight = torch.nn.Parameter(torch.tensor([math.inf, 1.0]))
+    optimizer = make([weight])
+    rule = optimizer_rule(optimizer, {id(weight): "w"})
+    params = {"w": jnp.asarray(weight.detach().numpy())}
+    grads = {"w": jnp.asarray([0.5, 0.5], jnp.float32)}
+    new, _ = jax.jit(rule.update)(grads, rule.init(params), params, rule.hyperparameters(optimizer))
+    weight.grad = torch.tensor([0.5, 0.5])
+    optimizer.step()
+    torch.testing.assert_close(torch.from_numpy(np.asarray(new["w"])), weight.detach(), **FP32)
+    assert math.isinf(weight[0])
 
 
 @pytest.mark.parametrize("make", [
@@ -499,8 +539,8 @@ def test_invalid_options(make, message):
 def test_unsupported_optimizers_and_parameters():
     model = Net()
     names = {id(p): n for n, p in model.named_parameters()}
-    with pytest.raises(Error, match="torch.optim.adagrad.Adagrad is not supported"):
-        optimizer_rule(torch.optim.Adagrad(model.parameters()), names)
+    with pytest.raises(Error, match="torch.optim.asgd.ASGD is not supported; use SGD, .*Adagrad, .*RAdam"):
+        optimizer_rule(torch.optim.ASGD(model.parameters()), names)
 
     class Custom(torch.optim.SGD):
         def step(self, closure=None):

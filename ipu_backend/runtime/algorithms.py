@@ -1,6 +1,6 @@
 """The update rules of torch's SGD, Adam, AdamW and RMSprop and of PopTorch's LAMB (each an
 :class:`~ipu_backend.runtime.optimizers.OptimizerRule`), and the registry that gives an
-optimizer its rule."""
+optimizer its rule (torch's other optimizers: ``runtime/torch_algorithms.py``)."""
 
 from collections.abc import Mapping
 
@@ -12,18 +12,17 @@ from ipu_backend.errors import Error
 from ipu_backend.runtime.optimizers import (
     OPTION_DEFAULTS,
     OptimizerRule,
+    adam_betas,
     algorithm_of,
+    one_minus_power,
     l2_norm,
     moment_dtypes,
     optimizer_wide,
     register_algorithm,
     state_dtype,
+    with_weight_decay,
 )
-
-
-def _bias_correction(one_minus_beta, step):
-    """``1 - beta**step`` without float32 cancellation (torch computes it in float64)."""
-    return -jnp.expm1(step.astype(jnp.float32) * jnp.log1p(-one_minus_beta))
+from ipu_backend.runtime.torch_algorithms import TORCH_OPTIMIZERS, TORCH_RULES
 
 
 def _adam_direction(grad, moments, step, hyper, *, bias_correction: bool, amsgrad: bool):
@@ -37,16 +36,9 @@ def _adam_direction(grad, moments, step, hyper, *, bias_correction: bool, amsgra
         second = new["max_exp_avg_sq"] = jnp.maximum(moments["max_exp_avg_sq"], exp_avg_sq)
     if not bias_correction:
         return exp_avg / (jnp.sqrt(second) + hyper["eps"]), new
-    bias1 = _bias_correction(hyper["one_minus_beta1"], step)
-    bias2 = _bias_correction(hyper["one_minus_beta2"], step)
+    bias1 = one_minus_power(hyper["one_minus_beta1"], step)
+    bias2 = one_minus_power(hyper["one_minus_beta2"], step)
     return (exp_avg / bias1) / (jnp.sqrt(second) / jnp.sqrt(bias2) + hyper["eps"]), new
-
-
-def _betas(group) -> dict:
-    """Adam's betas and, computed in float64 here, their complements: ``1 - beta`` in float32
-    loses up to 1e-5 of itself for beta = 0.999, which torch (float64 scalars) does not."""
-    beta1, beta2 = (float(beta) for beta in group["betas"])
-    return {"beta1": beta1, "beta2": beta2, "one_minus_beta1": 1 - beta1, "one_minus_beta2": 1 - beta2}
 
 
 class _SGDRule(OptimizerRule):
@@ -78,7 +70,7 @@ class _SGDRule(OptimizerRule):
     def _step(self, param, grad, moments, step, hyper, options):
         if options["maximize"]:
             grad = -grad
-        grad = grad + hyper["weight_decay"] * param
+        grad = with_weight_decay(grad, param, hyper["weight_decay"])
         if not options["momentum"]:
             return param - hyper["lr"] * grad, {}
         lr = hyper["lr"]
@@ -127,7 +119,7 @@ class _AdamRule(OptimizerRule):
                 "decoupled_weight_decay": bool(group.get("decoupled_weight_decay", False))}
 
     def _group_hyper(self, group):
-        return {"lr": group["lr"], **_betas(group), "eps": group["eps"],
+        return {"lr": group["lr"], **adam_betas(group), "eps": group["eps"],
                 "weight_decay": group["weight_decay"]}
 
     def _slots(self, options):
@@ -142,7 +134,7 @@ class _AdamRule(OptimizerRule):
         if options["maximize"]:
             grad = -grad
         if not options["decoupled_weight_decay"]:
-            grad = grad + hyper["weight_decay"] * param
+            grad = with_weight_decay(grad, param, hyper["weight_decay"])
         direction, moments = _adam_direction(grad, moments, step, hyper, amsgrad=options["amsgrad"],
                                              bias_correction=self._options["bias_correction"])
         if options["decoupled_weight_decay"]:
@@ -183,7 +175,7 @@ class _RMSpropRule(OptimizerRule):
     def _step(self, param, grad, moments, step, hyper, options):
         if options["maximize"]:
             grad = -grad
-        grad = grad + hyper["weight_decay"] * param
+        grad = with_weight_decay(grad, param, hyper["weight_decay"])
         square_avg = moments["square_avg"] * hyper["alpha"] + hyper["one_minus_alpha"] * grad * grad
         new = {"square_avg": square_avg}
         variance = square_avg
@@ -217,7 +209,7 @@ class _LAMBRule(OptimizerRule):
                 **moment_dtypes(optimizer)}
 
     def _group_hyper(self, group):
-        return {"lr": group["lr"], **_betas(group), "eps": group["eps"],
+        return {"lr": group["lr"], **adam_betas(group), "eps": group["eps"],
                 "weight_decay": group["weight_decay"], "max_weight_norm": group["max_weight_norm"]}
 
     def _slots(self, options):
@@ -234,8 +226,12 @@ class _LAMBRule(OptimizerRule):
         return param - (hyper["lr"] * trust) * update, moments
 
 
-UPDATE_RULES = {"SGD": _SGDRule, "Adam": _AdamRule, "RMSprop": _RMSpropRule, "LAMB": _LAMBRule}
+UPDATE_RULES = {"SGD": _SGDRule, "Adam": _AdamRule, "RMSprop": _RMSpropRule, "LAMB": _LAMBRule, **TORCH_RULES}
 """The update rules by algorithm name."""
+
+
+for _optimizer_class, _algorithm in TORCH_OPTIMIZERS:
+    register_algorithm(_optimizer_class, _algorithm)
 
 
 def register_optimizer(optimizer_class: type, algorithm: str) -> None:

@@ -110,6 +110,24 @@ def l2_norm(x):
     return jnp.sqrt(jnp.sum(jnp.square(x)))
 
 
+def one_minus_power(one_minus_beta, step):
+    """``1 - beta**step`` without float32 cancellation (torch computes it in float64)."""
+    return -jnp.expm1(step.astype(jnp.float32) * jnp.log1p(-one_minus_beta))
+
+
+def adam_betas(group) -> dict:
+    """Adam's betas and, computed in float64 here, their complements: ``1 - beta`` in float32
+    loses up to 1e-5 of itself for beta = 0.999, which torch (float64 scalars) does not."""
+    beta1, beta2 = (float(beta) for beta in group["betas"])
+    return {"beta1": beta1, "beta2": beta2, "one_minus_beta1": 1 - beta1, "one_minus_beta2": 1 - beta2}
+
+
+def with_weight_decay(grad, param, weight_decay):
+    """``grad + weight_decay * param``, and ``grad`` itself where the decay is 0, as torch skips
+    the term then (a parameter holding an infinity stays finite-gradient)."""
+    return jnp.where(weight_decay != 0, grad + weight_decay * param, grad)
+
+
 class OptimizerRule:
     """One optimizer's update rule; see the module docstring for the protocol.
 
@@ -122,6 +140,8 @@ class OptimizerRule:
     """
 
     algorithm = ""
+    scalar_slots: tuple[str, ...] = ()
+    """Slots kept as one number per parameter, as its step count is (NAdam's ``mu_product``)."""
     elementwise = True
     """Whether each element's update reads only that element of the parameter, its gradient and
     moments, and the step: then a stacked parameter is updated whole, its steps broadcast over
@@ -160,11 +180,12 @@ class OptimizerRule:
         state = {}
         for options, names in zip(self._group_options, self.groups):
             for name in names:
-                moments = {slot: _filled(jnp.shape(params[name]), initial, dtype)
+                steps = (len(self.stacked[name]),) if name in self.stacked else ()
+                moments = {slot: _filled(steps if slot in self.scalar_slots else jnp.shape(params[name]),
+                                         initial, dtype)
                            for slot, (dtype, initial) in self._slots(options).items()}
                 # A parameter that keeps no moments keeps no step count either (plain SGD, whose
                 # torch state stays empty): a call then carries nothing in or out for it.
-                steps = (len(self.stacked[name]),) if name in self.stacked else ()
                 state[name] = {"step": np.zeros(steps, np.int32), **moments} if moments else {}
         return state
 
@@ -205,11 +226,15 @@ class OptimizerRule:
         for options, names, group_hyper in zip(self._group_options, self.groups, hyper["groups"]):
             def step_one(param, grad, slots, group_hyper=group_hyper, options=options):
                 step = slots["step"] + 1 if "step" in slots else None
-                moments = {slot: value.astype(jnp.float32) for slot, value in slots.items() if slot != "step"}
-                each = None if step is None else step.reshape(step.shape + (1,) * (param.ndim - step.ndim))
+                spread = lambda value: value.reshape(value.shape + (1,) * (param.ndim - value.ndim))  # noqa: E731
+                moments = {slot: spread(value) if slot in self.scalar_slots else value
+                           for slot, value in slots.items() if slot != "step"}
+                moments = {slot: value.astype(jnp.float32) for slot, value in moments.items()}
+                each = None if step is None else spread(step)
                 new_param, moments = self._step(param.astype(jnp.float32), grad, moments, each,
                                                 group_hyper, options)
-                new_slots = {slot: value.astype(slots[slot].dtype) for slot, value in moments.items()}
+                new_slots = {slot: value.astype(slots[slot].dtype).reshape(slots[slot].shape)
+                             for slot, value in moments.items()}
                 if step is not None:
                     new_slots["step"] = step
                 return new_param.astype(param.dtype), new_slots
@@ -446,8 +471,8 @@ def algorithm_of(optimizer: torch.optim.Optimizer) -> str:
                             "optimizer it derives from")
             return algorithm
     raise Error(f"optimizer {type(optimizer).__module__}.{type(optimizer).__qualname__} is not "
-                "supported; use SGD, Adam, AdamW or RMSprop (torch.optim or poptorch.optim) or "
-                "poptorch.optim.LAMB")
+                "supported; use SGD, Adam, AdamW, RMSprop (torch.optim or poptorch.optim), Adagrad, "
+                "Adadelta, Adamax, NAdam, RAdam (torch.optim) or poptorch.optim.LAMB")
 
 
 def notice_subclass(optimizer: torch.optim.Optimizer) -> None:
