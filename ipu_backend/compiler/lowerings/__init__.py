@@ -14,6 +14,7 @@ from ipu_backend.compiler.lowerings import (  # noqa: F401
     host_calls,
     layers,
     linalg,
+    linear_algebra,
     losses,
     markers,
     normalization,
