@@ -34,6 +34,7 @@ from ipu_backend.compiler import (
     loops,
     loss_checks,
     metric_states,
+    padded_encoders,
     refused_calls,
 )
 from ipu_backend.compiler.custom_ops import NO_GRAD_UPDATE
@@ -261,6 +262,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     fused_losses.install(_CAPTURING.get)       # not torch.compile's tracing of a user's own code
     loss_checks.install(_CAPTURING.get)
     cumulative_batch_norm.install(_CAPTURING.get)
+    padded_encoders.install(_CAPTURING.get)
     refused_calls.install(_CAPTURING.get)
     distribution_checks.install(_CAPTURING.get)
     containers.register((args, kwargs))

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from ipu_backend.compiler import python_reads
+from ipu_backend.compiler import padded_encoders, python_reads
 
 
 def _sets_modes(training: bool, step_method: str | None) -> bool:
@@ -22,12 +22,15 @@ def _sets_modes(training: bool, step_method: str | None) -> bool:
 
 @contextlib.contextmanager
 def capture_modes(model: torch.nn.Module, training: bool, step_method: str | None):
-    """Within: ``model`` in the modes its program is captured with; after: its own flags."""
+    """Within: ``model`` in the modes its program is captured with, recording gradients for a
+    training program only (torch's choices that depend on it: ``padded_encoders``); after: its
+    own flags."""
     flags = [(module, module.training) for module in model.modules()]
     if _sets_modes(training, step_method):
         model.eval()
     try:
-        yield
+        with padded_encoders.recording_gradients(training):
+            yield
     finally:
         for module, flag in flags:
             module.training = flag
