@@ -34,8 +34,8 @@ from ipu_backend.compiler import (
     loops,
     loss_checks,
     metric_states,
-    padded_encoders,
     refused_calls,
+    transformer_modules,
 )
 from ipu_backend.compiler.custom_ops import NO_GRAD_UPDATE
 from ipu_backend.compiler.sources import traceback_location, user_location
@@ -262,7 +262,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     fused_losses.install(_CAPTURING.get)       # not torch.compile's tracing of a user's own code
     loss_checks.install(_CAPTURING.get)
     cumulative_batch_norm.install(_CAPTURING.get)
-    padded_encoders.install(_CAPTURING.get)
+    transformer_modules.install(_CAPTURING.get)
     refused_calls.install(_CAPTURING.get)
     distribution_checks.install(_CAPTURING.get)
     containers.register((args, kwargs))

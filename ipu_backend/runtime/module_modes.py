@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from ipu_backend.compiler import padded_encoders, python_reads
+from ipu_backend.compiler import python_reads, transformer_modules
 
 
 def _sets_modes(training: bool, step_method: str | None) -> bool:
@@ -23,13 +23,13 @@ def _sets_modes(training: bool, step_method: str | None) -> bool:
 @contextlib.contextmanager
 def capture_modes(model: torch.nn.Module, training: bool, step_method: str | None):
     """Within: ``model`` in the modes its program is captured with, recording gradients for a
-    training program only (torch's choices that depend on it: ``padded_encoders``); after: its
+    training program only (torch's choices that depend on it: ``transformer_modules``); after: its
     own flags."""
     flags = [(module, module.training) for module in model.modules()]
     if _sets_modes(training, step_method):
         model.eval()
     try:
-        with padded_encoders.recording_gradients(training):
+        with transformer_modules.recording_gradients(training):
             yield
     finally:
         for module, flag in flags:

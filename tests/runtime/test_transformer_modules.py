@@ -1,7 +1,8 @@
-"""nn.TransformerEncoder with a key padding mask against torch eager: in eval mode without
-gradients torch's nested-tensor path gives zeros at padded positions (the final norm's bias with
-a norm), where the padding of every row is at its end; otherwise it computes them. fp32: 1e-5
-relative (1e-6 absolute)."""
+"""nn.Transformer's modules against torch eager. A causal attention mask given without
+``is_causal`` (``generate_square_subsequent_mask``) trains as torch trains it; with a key padding
+mask, in eval mode without gradients, torch's nested-tensor path gives zeros at padded positions
+(the final norm's bias with a norm), where the padding of every row is at its end; otherwise it
+computes them. fp32: 1e-5 relative (1e-6 absolute)."""
 
 import copy
 
@@ -68,5 +69,36 @@ def test_training_a_head_on_a_frozen_encoder_follows_torchs_path(frozen_input):
     training = poptorch.trainingModel(model, optimizer=torch.optim.SGD(trained(model), lr=0.05))
     for step in range(4):
         training(x[step], AT_THE_END, y[step])
+    for (name, ours), torchs in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(ours, torchs, rtol=RTOL, atol=ATOL, msg=name)
+
+
+class Translator(torch.nn.Module):
+    """nn.Transformer as its documentation uses it: the target's causal mask made by
+    ``generate_square_subsequent_mask``, no ``is_causal`` hint."""
+
+    def __init__(self):
+        super().__init__()
+        self.transformer = torch.nn.Transformer(16, 2, 1, 1, 32, dropout=0.0, batch_first=True)
+
+    def forward(self, src, tgt, y):
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        out = self.transformer(src, tgt, src_mask=torch.zeros(src.shape[1], src.shape[1]), tgt_mask=mask)
+        return out, ((out - y) ** 2).mean()
+
+
+def test_a_causal_mask_without_the_hint_trains_as_in_torch():
+    torch.manual_seed(0)
+    model = Translator()
+    reference = copy.deepcopy(model)
+    src, tgt, y = torch.randn(3, 2, 6, 16), torch.randn(3, 2, 5, 16), torch.randn(3, 2, 5, 16)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for step in range(3):
+        reference_optimizer.zero_grad()
+        reference(src[step], tgt[step], y[step])[1].backward()
+        reference_optimizer.step()
+    training = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
+    for step in range(3):
+        training(src[step], tgt[step], y[step])
     for (name, ours), torchs in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(ours, torchs, rtol=RTOL, atol=ATOL, msg=name)

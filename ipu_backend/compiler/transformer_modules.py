@@ -1,6 +1,11 @@
-"""``nn.TransformerEncoder``'s outputs at padded positions, as torch eager gives them.
+"""``nn.Transformer``'s modules, captured as torch eager computes them.
 
-In eval mode, given a ``src_key_padding_mask`` whose padding is at the end of each sequence and
+**Causal masks.** Given an attention mask but no ``is_causal``, torch's encoder and decoder test
+whether the mask is the causal one (``_detect_is_causal_mask``, a Python ``bool`` of tensor data),
+only to hand attention the hint instead of the mask: the same numbers. While a model is captured
+the test answers no, and attention applies the mask itself.
+
+**Padded positions.** In eval mode, given a ``src_key_padding_mask`` whose padding is at the end of each sequence and
 not recording gradients (under ``torch.no_grad()``, or with nothing requiring them), torch eager
 runs the encoder's layers on a nested tensor of the real tokens, pads the result with zeros and
 then applies the encoder's final norm: padded positions come out as zeros (or the norm's bias).
@@ -19,8 +24,10 @@ from collections.abc import Callable
 
 import torch
 from torch.nn import TransformerEncoder
+from torch.nn.modules import transformer
 
 _TORCH_FORWARD = TransformerEncoder.forward
+_TORCH_DETECT = transformer._detect_is_causal_mask
 _RECORDS_GRADIENTS = contextvars.ContextVar("ipu_backend_records_gradients", default=True)
 
 
@@ -35,9 +42,16 @@ def recording_gradients(records: bool):
 
 
 def install(capturing: Callable[[], bool]) -> None:
-    """Put the stand-in in place (once); ``capturing()`` tells whether this thread is capturing."""
+    """Put the stand-ins in place (once); ``capturing()`` tells whether this thread is capturing."""
     if TransformerEncoder.forward is not _TORCH_FORWARD:
         return
+
+    def detect_is_causal_mask(mask, is_causal=None, size=None):
+        if capturing() and is_causal is None and mask is not None:
+            return False
+        return _TORCH_DETECT(mask, is_causal, size)
+
+    transformer._detect_is_causal_mask = detect_is_causal_mask
 
     def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
         if capturing() and _pads_with_zeros(self, src, mask, src_key_padding_mask):
