@@ -31,6 +31,7 @@ from ipu_backend.compiler import (
     hints,
     host_branches,
     list_appends,
+    logged_items,
     loops,
     loss_checks,
     metric_states,
@@ -96,6 +97,9 @@ class _LogRecorder:
             self.tensors.append(value)
         elif isinstance(value, (int, float, bool)):
             self.calls.append(LogCall(name, kwargs, constant=value))
+        elif isinstance(value, (torch.SymInt, torch.SymFloat)):     # a tensor's .item()
+            self.calls.append(LogCall(name, kwargs))
+            self.tensors.append(logged_items.as_tensor(value))
         elif metric_states.is_metric(value):
             paths = [path for path, m in metric_states.metrics_of(self.module).items() if m is value]
             if not paths:
@@ -293,7 +297,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         if type(error) is not RuntimeError:          # keep torch's exception type, add the line
             error.add_note(f"(while capturing the program, at {where})")
             raise
-        raise Error(f"{error}\n(while capturing the program, at {where})") from error
+        raise Error(f"{error}{_why_refused(error)}\n(while capturing the program, at {where})") from error
     finally:
         hook.remove()
     if _mutated_attributes_as_buffers(target, exported, attributes):
@@ -306,10 +310,20 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     with without_treespec_deprecation():
         exported = (decompose or decompose_to_core_aten)(exported)
     loops.outline_loops(exported.graph_module)
+    logged_items.read_from_tensors(exported.graph_module)
     hints.check_multi_convs(exported.graph_module)
     hints.check_overlaps(exported)
     exported.graph_module.meta[FLOAT32_PRECISION_KEY] = precision
     return exported
+
+
+def _why_refused(error: RuntimeError) -> str:
+    """What a torch error met while capturing means for the user's code, where torch's words do
+    not say it."""
+    if ".numpy() is not supported for tensor subclasses" in str(error):
+        return (" (.numpy() reads a tensor's values into NumPy, which a program traced once cannot: "
+                "keep the computation in torch; a value to log can be logged as the tensor itself)")
+    return ""
 
 
 def refuse_backward_hooks(module: torch.nn.Module) -> None:

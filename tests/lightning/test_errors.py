@@ -87,3 +87,16 @@ def test_a_training_step_without_a_loss_is_refused():
     with pytest.raises(ipu_backend.Error, match="training_step must return the loss"):
         fit(ReturnsNothing())
 
+
+
+class ReadsNumpy(Regressor):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("numpy_loss", float(loss.detach().numpy()))
+        return loss
+
+
+def test_numpy_in_a_step_is_refused_naming_why():
+    with pytest.raises(ipu_backend.Error, match=r"\.numpy\(\) reads a tensor's values into NumPy.*logged as the "
+                                                r"tensor itself\)\n\(while capturing the program, at .*test_errors"):
+        fit(ReadsNumpy())

@@ -183,3 +183,23 @@ def test_weights_written_by_a_callback_reach_the_next_step():
                              **({"devices": 2} if accelerator == "ipu" else {}), **QUIET)
         trainer.fit(module, loader(dataset(32), batch))
     assert_same_weights(ipu, cpu)
+
+
+class LogsNumbers(Regressor):
+    """Logs Python numbers read from tensors, as many tutorials do."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.net(x)
+        loss = torch.nn.functional.mse_loss(out, y)
+        self.log("train_loss", loss)
+        self.log("loss_item", loss.item())
+        self.log("close", ((out - y).abs() < 0.5).sum().item(), reduce_fx="sum")
+        return loss
+
+
+def test_numbers_read_with_item_log_the_tensors_values():
+    ipu, cpu = twins(LogsNumbers)
+    (ipu_trainer, _), (cpu_trainer, _) = fit_pair(ipu, cpu, 8, 8, max_epochs=1)
+    assert_same_weights(ipu, cpu)
+    assert_same_metrics(ipu_trainer.callback_metrics, cpu_trainer.callback_metrics, ["loss_item", "close"])
