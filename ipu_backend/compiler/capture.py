@@ -657,7 +657,7 @@ decompositions (``torch._decomp``) into indexing and arithmetic, so they compute
 
 _KEPT_WHOLE = (torch.ops.aten.detach.default, torch.ops.aten.std.correction, torch.ops.aten.std_mean.correction,
                torch.ops.aten.linalg_solve.default, torch.ops.aten.linalg_inv.default, torch.ops.aten.inverse.default,
-               torch.ops.aten.linalg_cholesky.default, torch.ops.aten.cholesky.default)
+               torch.ops.aten.linalg_cholesky.default)
 """Ops core ATen decomposes whose decomposition differentiates otherwise, or drops a check:
 ``detach`` becomes a plain ``alias``, through which gradients would flow; ``std`` becomes
 ``sqrt(var)``, whose gradient is NaN where the deviation is 0 (constant rows, padding), where
