@@ -207,7 +207,21 @@ CASES = [
            # Inputs avoid +-3, where torch's hardsigmoid/hardswish derivative is 0 but that of their
            # decomposition (clamp) is not.
            repeated(activation_inputs, 16), FLOATS,
-           ops=(aten.gelu.default, aten.leaky_relu.default, aten.elu.default, aten.hardtanh.default)),
+           ops=(aten.gelu.default, aten.leaky_relu.default, aten.elu.default, aten.hardtanh.default,
+                aten.softplus.default)),
+    OpCase("gradients_where_a_formula_branches",
+           # torch's derivatives, finite where a decomposition's untaken branch would give NaN:
+           # softplus and mish past exp's overflow, sinc at 0, atan2 at (0, 0).
+           lambda big, x: (F.softplus(big), F.softplus(big, beta=2.0), F.mish(big), torch.sinc(x),
+                           torch.atan2(x * (x.abs() > 1), x * (x.abs() > 0.5))),
+           lambda dtype: (torch.tensor([-100.0, -30.0, -1.0, 0.0, 1.0, 30.0, 50.0, 100.0]).to(dtype),
+                          torch.tensor([0.0, 0.25, -0.75, 0.6, -2.0, 1.5]).to(dtype)),
+           FLOATS, ops=(aten.softplus.default, aten.sinc.default, aten.atan2.default)),
+    OpCase("products_with_a_mask",
+           # x * False is x * 0: -0.0 for a negative x (1 / it is -inf), NaN for an infinite x.
+           lambda x: (1 / (x * (x.abs() > 1)), (x / 0) * (x > 0), torch.atan2(x * (x > 5), -x.abs())),
+           lambda dtype: (torch.tensor([-0.75, 2.0, -3.0, 0.5, 0.0]).to(dtype),), FLOATS, grad=False,
+           ops=(aten.mul.Tensor,)),
     OpCase("rounding_sign_abs",
            # At 0, sqrt's derivative is inf, and abs's, grad * sign(x), makes it NaN as in torch.
            lambda x, z, w: (x.floor(), x.ceil(), x.round(), x.round(decimals=1), x.round(decimals=-1), x.trunc(),

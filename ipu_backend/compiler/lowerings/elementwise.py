@@ -53,8 +53,19 @@ def sub(ctx, x, y, alpha=1):
 
 @lowering(aten.mul.Tensor, aten.mul.Scalar)
 def mul(ctx, x, y):
+    """A float times a mask (a bool tensor) is ``x * 0`` where the mask is false, as in torch: -0.0
+    for a negative ``x`` (``atan2`` and ``1 / x`` read the sign), NaN for an infinite one. XLA
+    would make the product a select of 0."""
+    masks = [_is_mask(value) for value in (x, y)]
     x, y = operands(ctx, x, y)
+    if masks.count(True) == 1 and _is_float(x):
+        mask, value = (x, y) if masks[0] else (y, x)
+        return jnp.where(mask != 0, value, value * 0)
     return x * y
+
+
+def _is_mask(value) -> bool:
+    return isinstance(value, jax.Array) and value.dtype == jnp.bool_
 
 
 @lowering(aten.div.Tensor, aten.div.Scalar)
@@ -260,10 +271,43 @@ for _op, _fn in _FLOAT_MATH.items():
     lowering(_op)(_float_math(_fn))
 
 
+@jax.custom_jvp
+def _atan2(y, x):
+    return jnp.arctan2(y, x)
+
+
+@_atan2.defjvp
+def _atan2_jvp(primals, tangents):
+    """torch's derivative, ``(x dy - y dx) / (x^2 + y^2)``, 0 where the denominator is (JAX's: NaN)."""
+    (y, x), (dy, dx) = primals, tangents
+    denominator = x * x + y * y
+    zero = denominator == 0
+    return jnp.arctan2(y, x), jnp.where(zero, 0, (x * dy - y * dx) / jnp.where(zero, 1, denominator))
+
+
 @lowering(aten.atan2.default)
 def atan2(ctx, y, x):
     y, x = operands(ctx, y, x)
-    return jnp.arctan2(y, x)
+    return _atan2(y, x)
+
+
+@lowering(aten.softplus.default)
+def softplus(ctx, x, beta=1, threshold=20):
+    """``log1p(exp(beta x)) / beta``, ``x`` itself where ``beta x > threshold``, computed whole
+    (``capture._KEPT_WHOLE``): decomposed, the untaken branch's overflow reaches the gradient as
+    ``0 * inf``, NaN where torch's is 1 (``beta x`` over 88, ``F.mish`` too)."""
+    (x,) = operands(ctx, x)
+    linear = x * beta > threshold
+    return jnp.where(linear, x, jnp.log1p(jnp.exp(jnp.where(linear, 0, x * beta))) / beta)
+
+
+@lowering(aten.sinc.default)
+def sinc(ctx, x):
+    """``sin(pi x) / (pi x)``, 1 at 0 with gradient 0 there as torch's (decomposed: NaN)."""
+    (x,) = operands(ctx, x)
+    zero = x == 0
+    scaled = jnp.pi * jnp.where(zero, 1, x)
+    return jnp.where(zero, 1, jnp.sin(scaled) / scaled)
 
 
 @lowering(aten.hypot.default)
