@@ -752,9 +752,11 @@ class IPUStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        """The checkpoint with each compiled step's random state (:data:`RANDOM_STATE_KEY`)."""
-        checkpoint[RANDOM_STATE_KEY] = {**self._restored_random_states,
-                                        **{method: executor.rng_state for method, executor in self._executors.items()}}
+        """The checkpoint with each compiled step's random state (:data:`RANDOM_STATE_KEY`); a step
+        not compiled yet (a checkpoint before the first batch: the tuner's) draws from its start."""
+        started = {method: executor.rng_state for method, executor in self._executors.items()
+                   if not isinstance(executor, seam.PoplarExecutor) or executor.isCompiled()}
+        checkpoint[RANDOM_STATE_KEY] = {**self._restored_random_states, **started}
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override

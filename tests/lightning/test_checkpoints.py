@@ -4,6 +4,7 @@ resuming from one continues with the numbers of an uninterrupted run."""
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.tuner import Tuner
 
 from lightning_ipu.strategy import RANDOM_STATE_KEY
 from tests.lightning.helpers import QUIET, Regressor, assert_same_weights, dataset, loader, twins
@@ -73,3 +74,33 @@ def test_resume_with_dropout_equals_the_uninterrupted_run_bitwise(tmp_path):
                      ckpt_path=tmp_path / "full" / "epoch=0.ckpt")
     for (name, p), (_, q) in zip(resumed.named_parameters(), full.named_parameters()):
         assert torch.equal(p, q), name
+
+
+class Tunable(pl.LightningDataModule):
+    """Data whose batch size the tuner may change."""
+
+    def __init__(self):
+        super().__init__()
+        self.batch_size = 4
+
+    def train_dataloader(self):
+        return loader(dataset(128), self.batch_size)
+
+    def val_dataloader(self):
+        return loader(dataset(32, seed=1), self.batch_size)
+
+
+def test_the_tuners_checkpoint_before_the_first_step_and_find_the_cpus_values():
+    """The learning-rate and batch-size finders save a checkpoint before any step is compiled,
+    try steps, and restore it: the suggestion, the losses and the restored weights are the CPU's."""
+    found = {}
+    for accelerator, module in zip(("ipu", "cpu"), twins(lr=0.1)):
+        tuner = Tuner(pl.Trainer(accelerator=accelerator, max_epochs=1, **QUIET))
+        finder = tuner.lr_find(module, datamodule=Tunable(), num_training=12, min_lr=1e-4, max_lr=1.0,
+                               update_attr=False)
+        batch_size = tuner.scale_batch_size(module, datamodule=Tunable(), max_trials=3, steps_per_trial=2)
+        found[accelerator] = module, finder.suggestion(), torch.tensor(finder.results["loss"]), batch_size
+    (ipu, ipu_lr, ipu_losses, ipu_batch), (cpu, cpu_lr, cpu_losses, cpu_batch) = found["ipu"], found["cpu"]
+    assert ipu_lr == cpu_lr and ipu_batch == cpu_batch
+    torch.testing.assert_close(ipu_losses, cpu_losses, rtol=1e-5, atol=1e-6)
+    assert_same_weights(ipu, cpu)
