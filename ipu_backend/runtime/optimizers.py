@@ -123,8 +123,8 @@ def adam_betas(group) -> dict:
 
 
 def with_weight_decay(grad, param, weight_decay):
-    """``grad + weight_decay * param``, and ``grad`` itself where the decay is 0, as torch skips
-    the term then (a parameter holding an infinity stays finite-gradient)."""
+    """``grad + weight_decay * param``, and ``grad`` itself where the decay is 0, as torch leaves
+    the term out then (``0 * inf`` would make an infinite parameter NaN)."""
     return jnp.where(weight_decay != 0, grad + weight_decay * param, grad)
 
 

@@ -90,12 +90,12 @@ class Tunable(pl.LightningDataModule):
         return loader(dataset(32, seed=1), self.batch_size)
 
 
-def test_the_tuners_checkpoint_before_the_first_step_and_find_the_cpus_values():
+def test_the_tuners_checkpoint_before_the_first_step_and_find_the_cpus_values(tmp_path):
     """The learning-rate and batch-size finders save a checkpoint before any step is compiled,
     try steps, and restore it: the suggestion, the losses and the restored weights are the CPU's."""
     found = {}
     for accelerator, module in zip(("ipu", "cpu"), twins(lr=0.1)):
-        tuner = Tuner(pl.Trainer(accelerator=accelerator, max_epochs=1, **QUIET))
+        tuner = Tuner(pl.Trainer(accelerator=accelerator, max_epochs=1, default_root_dir=tmp_path, **QUIET))
         finder = tuner.lr_find(module, datamodule=Tunable(), num_training=12, min_lr=1e-4, max_lr=1.0,
                                update_attr=False)
         batch_size = tuner.scale_batch_size(module, datamodule=Tunable(), max_trials=3, steps_per_trial=2)
