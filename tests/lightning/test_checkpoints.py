@@ -96,11 +96,11 @@ def test_the_tuners_checkpoint_before_the_first_step_and_find_the_cpus_values(tm
     found = {}
     for accelerator, module in zip(("ipu", "cpu"), twins(lr=0.1)):
         tuner = Tuner(pl.Trainer(accelerator=accelerator, max_epochs=1, default_root_dir=tmp_path, **QUIET))
-        finder = tuner.lr_find(module, datamodule=Tunable(), num_training=12, min_lr=1e-4, max_lr=1.0,
+        finder = tuner.lr_find(module, datamodule=Tunable(), num_training=16, min_lr=1e-4, max_lr=1.0,
                                update_attr=False)
-        batch_size = tuner.scale_batch_size(module, datamodule=Tunable(), max_trials=3, steps_per_trial=2)
+        batch_size = tuner.scale_batch_size(module, datamodule=Tunable(), max_trials=2, steps_per_trial=1)
         found[accelerator] = module, finder.suggestion(), torch.tensor(finder.results["loss"]), batch_size
     (ipu, ipu_lr, ipu_losses, ipu_batch), (cpu, cpu_lr, cpu_losses, cpu_batch) = found["ipu"], found["cpu"]
-    assert ipu_lr == cpu_lr and ipu_batch == cpu_batch
+    assert ipu_lr is not None and ipu_lr == cpu_lr and ipu_batch == cpu_batch
     torch.testing.assert_close(ipu_losses, cpu_losses, rtol=1e-5, atol=1e-6)
     assert_same_weights(ipu, cpu)
