@@ -20,7 +20,8 @@ from ipu_backend.runtime.optimizers import (
     optimizer_wide,
     register_algorithm,
     state_dtype,
-    with_weight_decay,
+    decayed_param_and_gradient,
+    step_gradient,
 )
 from ipu_backend.runtime.torch_algorithms import TORCH_OPTIMIZERS, TORCH_RULES
 
@@ -68,9 +69,7 @@ class _SGDRule(OptimizerRule):
         return {"momentum_buffer": (self._options["velocity_accum_type"], 0.0)}
 
     def _step(self, param, grad, moments, step, hyper, options):
-        if options["maximize"]:
-            grad = -grad
-        grad = with_weight_decay(grad, param, hyper["weight_decay"])
+        grad = step_gradient(grad, param, hyper, options)
         if not options["momentum"]:
             return param - hyper["lr"] * grad, {}
         lr = hyper["lr"]
@@ -131,14 +130,9 @@ class _AdamRule(OptimizerRule):
         return slots
 
     def _step(self, param, grad, moments, step, hyper, options):
-        if options["maximize"]:
-            grad = -grad
-        if not options["decoupled_weight_decay"]:
-            grad = with_weight_decay(grad, param, hyper["weight_decay"])
+        param, grad = decayed_param_and_gradient(param, grad, hyper, options)
         direction, moments = _adam_direction(grad, moments, step, hyper, amsgrad=options["amsgrad"],
                                              bias_correction=self._options["bias_correction"])
-        if options["decoupled_weight_decay"]:
-            param = param * (1 - hyper["lr"] * hyper["weight_decay"])
         return param - hyper["lr"] * direction, moments
 
 
@@ -173,9 +167,7 @@ class _RMSpropRule(OptimizerRule):
         return slots
 
     def _step(self, param, grad, moments, step, hyper, options):
-        if options["maximize"]:
-            grad = -grad
-        grad = with_weight_decay(grad, param, hyper["weight_decay"])
+        grad = step_gradient(grad, param, hyper, options)
         square_avg = moments["square_avg"] * hyper["alpha"] + hyper["one_minus_alpha"] * grad * grad
         new = {"square_avg": square_avg}
         variance = square_avg

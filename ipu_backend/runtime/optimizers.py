@@ -122,10 +122,22 @@ def adam_betas(group) -> dict:
     return {"beta1": beta1, "beta2": beta2, "one_minus_beta1": 1 - beta1, "one_minus_beta2": 1 - beta2}
 
 
-def with_weight_decay(grad, param, weight_decay):
-    """``grad + weight_decay * param``, and ``grad`` itself where the decay is 0, as torch leaves
-    the term out then (``0 * inf`` would make an infinite parameter NaN)."""
-    return jnp.where(weight_decay != 0, grad + weight_decay * param, grad)
+def step_gradient(grad, param, hyper, options):
+    """The gradient torch's step starts from: negated for ``maximize``, plus ``weight_decay *
+    param`` where the decay is not 0 (torch leaves the term out then: ``0 * inf`` would make an
+    infinite parameter NaN)."""
+    if options["maximize"]:
+        grad = -grad
+    return jnp.where(hyper["weight_decay"] != 0, grad + hyper["weight_decay"] * param, grad)
+
+
+def decayed_param_and_gradient(param, grad, hyper, options):
+    """``(param, gradient)`` torch's step starts from where the decay may be decoupled
+    (``decoupled_weight_decay``, AdamW's): the parameter shrunk by ``1 - lr * weight_decay``, or
+    the decay in the gradient (:func:`step_gradient`)."""
+    if not options["decoupled_weight_decay"]:
+        return param, step_gradient(grad, param, hyper, options)
+    return param * (1 - hyper["lr"] * hyper["weight_decay"]), -grad if options["maximize"] else grad
 
 
 class OptimizerRule:

@@ -14,14 +14,13 @@ import math
 import jax.numpy as jnp
 import torch
 
-from ipu_backend.runtime.optimizers import OptimizerRule, adam_betas, one_minus_power, with_weight_decay
-
-
-def _maximize_and_decay(grad, param, hyper, options):
-    """The gradient torch's step starts from: negated for ``maximize``, plus coupled weight decay."""
-    if options["maximize"]:
-        grad = -grad
-    return with_weight_decay(grad, param, hyper["weight_decay"])
+from ipu_backend.runtime.optimizers import (
+    OptimizerRule,
+    adam_betas,
+    decayed_param_and_gradient,
+    one_minus_power,
+    step_gradient,
+)
 
 
 class _AdagradRule(OptimizerRule):
@@ -39,7 +38,7 @@ class _AdagradRule(OptimizerRule):
         return {"sum": (jnp.float32, options["initial_accumulator_value"])}
 
     def _step(self, param, grad, moments, step, hyper, options):
-        grad = _maximize_and_decay(grad, param, hyper, options)
+        grad = step_gradient(grad, param, hyper, options)
         clr = hyper["lr"] / (1 + (step - 1).astype(jnp.float32) * hyper["lr_decay"])
         total = moments["sum"] + grad * grad
         return param + (-clr) * (grad / (jnp.sqrt(total) + hyper["eps"])), {"sum": total}
@@ -63,7 +62,7 @@ class _AdadeltaRule(OptimizerRule):
         return {"square_avg": (jnp.float32, 0.0), "acc_delta": (jnp.float32, 0.0)}
 
     def _step(self, param, grad, moments, step, hyper, options):
-        grad = _maximize_and_decay(grad, param, hyper, options)
+        grad = step_gradient(grad, param, hyper, options)
         square_avg = moments["square_avg"] * hyper["rho"] + hyper["one_minus_rho"] * grad * grad
         std = jnp.sqrt(square_avg + hyper["eps"])
         delta = jnp.sqrt(moments["acc_delta"] + hyper["eps"]) / std * grad
@@ -84,7 +83,7 @@ class _AdamaxRule(OptimizerRule):
         return {"exp_avg": (jnp.float32, 0.0), "exp_inf": (jnp.float32, 0.0)}
 
     def _step(self, param, grad, moments, step, hyper, options):
-        grad = _maximize_and_decay(grad, param, hyper, options)
+        grad = step_gradient(grad, param, hyper, options)
         exp_avg = moments["exp_avg"] + hyper["one_minus_beta1"] * (grad - moments["exp_avg"])
         exp_inf = jnp.maximum(moments["exp_inf"] * hyper["beta2"], jnp.abs(grad) + hyper["eps"])
         clr = hyper["lr"] / one_minus_power(hyper["one_minus_beta1"], step)
@@ -96,13 +95,6 @@ class _DecoupledRule(OptimizerRule):
 
     def _read_group_options(self, group):
         return {"maximize": bool(group["maximize"]), "decoupled_weight_decay": bool(group["decoupled_weight_decay"])}
-
-    def _decayed(self, param, grad, hyper, options):
-        if options["maximize"]:
-            grad = -grad
-        if options["decoupled_weight_decay"]:
-            return param * (1 - hyper["lr"] * hyper["weight_decay"]), grad
-        return param, with_weight_decay(grad, param, hyper["weight_decay"])
 
 
 class _NAdamRule(_DecoupledRule):
@@ -117,7 +109,7 @@ class _NAdamRule(_DecoupledRule):
         return {"mu_product": (jnp.float32, 1.0), "exp_avg": (jnp.float32, 0.0), "exp_avg_sq": (jnp.float32, 0.0)}
 
     def _step(self, param, grad, moments, step, hyper, options):
-        param, grad = self._decayed(param, grad, hyper, options)
+        param, grad = decayed_param_and_gradient(param, grad, hyper, options)
         steps = step.astype(jnp.float32)
         mu = hyper["beta1"] * (1 - 0.5 * jnp.power(0.96, steps * hyper["momentum_decay"]))
         mu_next = hyper["beta1"] * (1 - 0.5 * jnp.power(0.96, (steps + 1) * hyper["momentum_decay"]))
@@ -158,7 +150,7 @@ class _RAdamRule(_DecoupledRule):
         return {"exp_avg": (jnp.float32, 0.0), "exp_avg_sq": (jnp.float32, 0.0)}
 
     def _step(self, param, grad, moments, step, hyper, options):
-        param, grad = self._decayed(param, grad, hyper, options)
+        param, grad = decayed_param_and_gradient(param, grad, hyper, options)
         exp_avg = moments["exp_avg"] + hyper["one_minus_beta1"] * (grad - moments["exp_avg"])
         exp_avg_sq = moments["exp_avg_sq"] * hyper["beta2"] + hyper["one_minus_beta2"] * grad * grad
         corrected = exp_avg / one_minus_power(hyper["one_minus_beta1"], step)

@@ -282,7 +282,7 @@ def _atan2_jvp(primals, tangents):
     (y, x), (dy, dx) = primals, tangents
     denominator = x * x + y * y
     zero = denominator == 0
-    return jnp.arctan2(y, x), jnp.where(zero, 0, (x * dy - y * dx) / jnp.where(zero, 1, denominator))
+    return jnp.arctan2(y, x), jnp.where(zero, 0, (x * dy - y * dx) / _nonzero_divisor(denominator))
 
 
 @lowering(aten.atan2.default)
@@ -305,9 +305,8 @@ def softplus(ctx, x, beta=1, threshold=20):
 def sinc(ctx, x):
     """``sin(pi x) / (pi x)``, 1 at 0 with gradient 0 there as torch's (decomposed: NaN)."""
     (x,) = operands(ctx, x)
-    zero = x == 0
-    scaled = jnp.pi * jnp.where(zero, 1, x)
-    return jnp.where(zero, 1, jnp.sin(scaled) / scaled)
+    scaled = jnp.pi * _nonzero_divisor(x)
+    return jnp.where(x == 0, 1, jnp.sin(scaled) / scaled)
 
 
 @lowering(aten.hypot.default)
