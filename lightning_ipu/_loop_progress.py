@@ -2,9 +2,12 @@
 
 One host call runs ``device_iterations`` optimizer steps, but Lightning's loop counts one per
 batch: the extra steps are added to the loop's optimizer-step progress (``trainer.global_step``)
-and to the batches that stepped (where the step loggers record). These are Lightning internals,
-checked against the Lightning version by ``_lightning_hooks.check_version``.
+and to the batches that stepped (where the step loggers record); while the optimizers are
+configured, ``max_steps`` is read in batches. These are Lightning internals, checked against the
+Lightning version by ``_lightning_hooks.check_version``.
 """
+
+import contextlib
 
 
 def count_extra_optimizer_steps(trainer, optimizer_steps: int, batches: int) -> None:
@@ -20,3 +23,19 @@ def count_extra_optimizer_steps(trainer, optimizer_steps: int, batches: int) -> 
         progress.increment_ready()
         progress.increment_completed()
     epoch_loop._batches_that_stepped += batches
+
+
+@contextlib.contextmanager
+def max_steps_in_batches(trainer, iterations: int):
+    """``trainer.max_steps`` counted in batches (host calls of ``iterations`` optimizer steps)
+    inside the block: ``trainer.estimated_stepping_batches``, which ``configure_optimizers``
+    reads to size a schedule stepped once per batch, takes the lesser of the epochs' batches and
+    ``max_steps``, and would otherwise compare batches with optimizer steps."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    saved = epoch_loop.max_steps
+    if iterations > 1 and saved > 0:
+        epoch_loop.max_steps = -(-saved // iterations)
+    try:
+        yield
+    finally:
+        epoch_loop.max_steps = saved

@@ -386,7 +386,8 @@ class IPUStrategy(ParallelStrategy):
         self._inference_opts = self._resolve_options(self._user_inference_opts, trainer, training=False)
         self.parallel_devices = [self.root_device] * self.replicas
         self._executors = {}
-        super().setup(trainer)
+        with _loop_progress.max_steps_in_batches(trainer, self._training_opts.device_iterations if fitting else 1):
+            super().setup(trainer)
         if fitting:
             self._check_training(trainer)
         self.poptorch_models = {stage: self._executor(method) for stage, method in _stage_methods(trainer)}

@@ -128,6 +128,25 @@ def test_a_step_scheduler_stepped_once_per_batch_of_several_optimizer_steps_is_w
         assert len(warned) == 1 and "StepLR (interval='step')" in warned[0] and "2 times slower" in warned[0]
 
 
+class StepSized(Regressor):
+    """Reads the schedule length ``configure_optimizers`` sizes a per-batch scheduler by."""
+
+    def configure_optimizers(self):
+        self.estimated = self.trainer.estimated_stepping_batches
+        return super().configure_optimizers()
+
+
+def test_estimated_stepping_batches_counts_the_batches_a_fit_with_max_steps_runs():
+    ipu, _ = twins(StepSized)
+    recorder = Recorder()
+    options = ipu_backend.Options(device_iterations=2)
+    trainer = pl.Trainer(accelerator="ipu", devices=1, strategy=IPUStrategy(training_opts=options),
+                         max_steps=6, log_every_n_steps=2, callbacks=[recorder], **QUIET)
+    trainer.fit(ipu, loader(dataset(64), 4))
+    assert recorder.steps == [2, 4, 6]                  # three batches of two optimizer steps
+    assert ipu.estimated == 3 and trainer.max_steps == 6
+
+
 def test_device_iterations_run_several_optimizer_steps_per_batch_and_count_them():
     cpu_recorder = Recorder()
     cpu_trainer = pl.Trainer(accelerator="cpu", max_steps=6, callbacks=[cpu_recorder], **QUIET)
