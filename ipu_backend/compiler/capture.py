@@ -294,6 +294,12 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         where = traceback_location(error.__traceback__)
         if where is None or not _raised_by_torch(error.__traceback__):
             raise
+        if _holds_packed_sequence(error.__traceback__):
+            raise Error(f"a PackedSequence (nn.utils.rnn.pack_padded_sequence or pack_sequence) reached {where}: its "
+                        "batch sizes are computed from the lengths' values, a shape that a program traced once "
+                        "cannot have. Give the RNN the padded batch and mask the padded steps (ignore_index or "
+                        "a mask made from the lengths; the last real step's output by gather at lengths - 1)"
+                        ) from error
         if type(error) is not RuntimeError:          # keep torch's exception type, add the line
             error.add_note(f"(while capturing the program, at {where})")
             raise
@@ -572,6 +578,16 @@ def _raised_by_torch(tb) -> bool:
     while tb.tb_next is not None:
         tb = tb.tb_next
     return os.path.realpath(tb.tb_frame.f_code.co_filename).startswith(_TORCH_DIR)
+
+
+def _holds_packed_sequence(tb) -> bool:
+    """Whether a frame of ``tb`` held a ``PackedSequence`` (torch's RNNs fail on its fake
+    batch sizes with errors that do not say so)."""
+    while tb is not None:
+        if any(isinstance(value, torch.nn.utils.rnn.PackedSequence) for value in tb.tb_frame.f_locals.values()):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 _TORCH_DIR = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep

@@ -299,6 +299,26 @@ def test_torch_autograd_grad_inside_forward_is_refused_naming_the_line():
 
 
 
+class PackedTagger(torch.nn.Module):
+    def __init__(self, rnn):
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x, lengths):
+        packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, _ = self.rnn(packed)  # the packed batch
+        return torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])[0]
+
+
+@pytest.mark.parametrize("rnn", [torch.nn.LSTM, torch.nn.GRU])
+def test_a_packed_sequence_is_refused_naming_the_line_and_the_padded_alternative(rnn):
+    line = line_of(__file__, "# the packed batch")
+    with pytest.raises(Error, match=rf"a PackedSequence .* reached .*test_capture.py:{line}: .*computed from the "
+                                    rf"lengths' values.*mask the padded steps"):
+        compile_module(PackedTagger(rnn(3, 4, batch_first=True)), (torch.randn(2, 5, 3), torch.tensor([5, 3])))
+
+
+
 class Reversed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
