@@ -33,14 +33,16 @@ _BATCH, _FIRST_STEP, _ITERATION, _EPOCH, _LAST = range(5)
 
 
 def per_micro_batch(batch_idx: int, global_step: int, epoch: int, iterations: int, accumulation: int,
-                    replicas: int, last_batch: bool, training: bool) -> torch.Tensor:
+                    replicas: int, last_batch: bool, training: bool, skipped: int = 0) -> torch.Tensor:
     """``[micro-batches, 5]`` int64: each micro-batch's CPU batch index, the call's first global
     step, its iteration, the epoch, and whether its batch is the epoch's last training batch
     (``trainer.is_last_batch``, ``last_batch`` for the call: in training only its last
-    micro-batches' batch is; an evaluation step sees the training loop's value)."""
+    micro-batches' batch is; an evaluation step sees the training loop's value). ``skipped``: the
+    CPU batches of the host batch that came before the call (the short last batch of an
+    evaluation epoch runs in pieces)."""
     position = torch.arange(iterations * accumulation, dtype=torch.int64).repeat_interleave(replicas)
     counters = torch.empty(position.shape[0], 5, dtype=torch.int64)
-    counters[:, _BATCH] = batch_idx * iterations * accumulation + position
+    counters[:, _BATCH] = batch_idx * iterations * accumulation + skipped + position
     counters[:, _FIRST_STEP] = global_step
     counters[:, _ITERATION] = position // accumulation
     counters[:, _EPOCH] = epoch

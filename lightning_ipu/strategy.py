@@ -560,8 +560,11 @@ class IPUStrategy(ParallelStrategy):
         """The step on the short last batch of an evaluation epoch (see ``_short_batches.py``)."""
         executor = self._every_micro_batch_executor(method)
         pieces_run, kept, kept_logs, per_sample, result = _short_batches.pieces(args[0], micro, factor), [], [], None, None
+        done = 0                                   # micro-batches the pieces before ran
         for piece in pieces_run:
-            piece_args, adapt = self._with_counters(method, (piece.batch, *args[1:]), executor.options)
+            piece_args, adapt = self._with_counters(method, (piece.batch, *args[1:]), executor.options,
+                                                    done // executor.options.replication_factor)
+            done += piece.real
             with warnings.catch_warnings(), seam.step_arguments(adapt, host_known=0):
                 # the short micro-batch's size compiles once more
                 warnings.filterwarnings("ignore", message="the inputs' shapes or dtypes .*changed")
@@ -697,15 +700,16 @@ class IPUStrategy(ParallelStrategy):
             if isinstance(event, seam.SchedulerStep):
                 self.lr_scheduler_configs[event.scheduler].scheduler.step()
 
-    def _with_counters(self, method: str, args: tuple, options) -> tuple[tuple, Any]:
+    def _with_counters(self, method: str, args: tuple, options, skipped: int = 0) -> tuple[tuple, Any]:
         """The executor's arguments for a step called with ``args`` (``batch, [batch_idx, ...]``)
         and the adapter that gives the captured step its own (see ``_counters.py``): Lightning's
-        counters per micro-batch first, ``batch_idx`` taken out (it is one of them)."""
+        counters per micro-batch first, ``batch_idx`` taken out (it is one of them). ``skipped``:
+        the CPU batches of this host batch that earlier calls ran (a short batch run in pieces)."""
         takes_batch_idx = len(args) > 1 and isinstance(args[1], int) and not isinstance(args[1], bool)
         counters = _counters.per_micro_batch(
             args[1] if takes_batch_idx else 0, self._trainer.global_step, self._trainer.current_epoch,
             options.device_iterations, options.Training.gradient_accumulation, options.replication_factor,
-            self._trainer.is_last_batch, method == "training_step")
+            self._trainer.is_last_batch, method == "training_step", skipped)
         if method != "training_step":
             steps = _counters.evaluation_steps
         elif self.lightning_module.automatic_optimization:

@@ -91,3 +91,19 @@ def test_predictions_cover_every_sample():
     expected = torch.cat(trainer("cpu").predict(cpu, data))
     assert got.shape == (SAMPLES, 2)
     torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+
+
+class IndexLogged(Evaluated):
+    def test_step(self, batch, batch_idx):
+        self.log("test_batch_idx", batch_idx * torch.ones(()))
+
+
+def test_the_short_last_batch_sees_the_cpus_batch_idx():
+    """37 samples, 4 device iterations of 4: the last host call runs one whole micro-batch
+    (CPU batch 8) and then the short one (CPU batch 9)."""
+    data = loader(dataset(37, seed=2), BATCH)
+    ipu_trainer = pl.Trainer(accelerator="ipu", devices=1, strategy=IPUStrategy(device_iterations=4), **QUIET)
+    got = ipu_trainer.test(IndexLogged(), data, verbose=False)[0]
+    expected = pl.Trainer(accelerator="cpu", **QUIET).test(IndexLogged(), data, verbose=False)[0]
+    assert expected["test_batch_idx"] == pytest.approx((4 * sum(range(9)) + 9) / 37)
+    assert_same(got, expected, ["test_batch_idx"])
