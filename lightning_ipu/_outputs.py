@@ -10,12 +10,15 @@ returned on the CPU for the whole combined batch:
 * any other output (a mean loss, a fixed-size statistic) is averaged over the returned
   micro-batches when it is floating point, as a mean-reduced statistic of the combined batch is
   on the CPU, and summed otherwise (counts);
-* a ``self.log`` value is reduced over the returned micro-batches with the call's ``reduce_fx``
-  (``"mean"`` by default, the value ``sync_dist=True`` gives with DDP).
+* a ``self.log`` value is reduced with the call's ``reduce_fx`` (``"mean"`` by default, the
+  value ``sync_dist=True`` gives with DDP) over the replicas, and in evaluation over the
+  returned micro-batches too (training logs each micro-batch in turn: see the strategy).
 
 Which micro-batches are returned is the output mode's choice: the last one per replica for
 training's default (``OutputMode.Final``), every one for inference's (``OutputMode.All``).
 """
+
+from collections.abc import Mapping
 
 import torch
 import torch.utils._pytree as torch_pytree
@@ -59,3 +62,22 @@ def reduce_logged(name: str, value: torch.Tensor, reduce_fx, weights: torch.Tens
         weights = weights.to(flat.dtype)
         return (flat * weights).sum() / weights.sum()
     return reduce_fx(flat)
+
+
+def per_micro_batch(value: torch.Tensor, processes: int, replicas: int) -> torch.Tensor:
+    """``[micro-batches, processes x replicas]``: a logged value's rows as the processes gathered
+    them, each process's in input order (micro-batch, replica)."""
+    return value.reshape(processes, -1, replicas).transpose(0, 1).reshape(-1, processes * replicas)
+
+
+def divided_loss(result, accumulation: int):
+    """A training step's result with its loss divided by the micro-batches accumulated, as
+    Lightning's automatic optimization divides it by ``accumulate_grad_batches`` before handing
+    it to ``on_train_batch_end`` (the Trainer's count is 1 on IPUs, which accumulate inside a call)."""
+    if accumulation == 1:
+        return result
+    if isinstance(result, torch.Tensor):
+        return result / accumulation
+    if isinstance(result, Mapping) and isinstance(result.get("loss"), torch.Tensor):
+        return {**result, "loss": result["loss"] / accumulation}
+    return result

@@ -20,11 +20,11 @@ batch, i.e. every ``device_iterations`` optimizer steps (``trainer.estimated_ste
 counts batches too). Validation, test and predict evaluate every sample: the short last batch of
 an epoch runs padded, its padding dropped from every result (``_short_batches.py``).
 
-What a step returns and logs is reduced over the micro-batches of the call as ``_outputs.py``
-describes: ``self.log`` values with their ``reduce_fx`` (the mean by default) over the replicas
-and over the micro-batches the output mode returns (the last one by default in training, so a
-logged training value is the last optimizer step's; with ``output_mode="all"`` the mean over the
-call's device iterations).
+What a step returns is combined over the micro-batches of the call as ``_outputs.py``
+describes. ``self.log`` values are reduced with their ``reduce_fx`` (the mean by default) over
+the replicas; in training each micro-batch returned is logged in turn, and a value logged with
+``on_epoch=True`` is returned for every micro-batch, so the epoch's aggregate covers them all and
+the step's value is the last one's, as on the CPU.
 
 torchmetrics ``Metric`` objects held by the module may be called (``self.acc(preds, y)``) or
 updated in a step and logged (``self.log("acc", self.acc)``): their states are outputs of the
@@ -489,6 +489,7 @@ class IPUStrategy(ParallelStrategy):
             output = self._run("training_step", args, kwargs)
         iterations = self._training_opts.device_iterations
         if self.lightning_module.automatic_optimization:
+            output = _outputs.divided_loss(output, self._training_opts.Training.gradient_accumulation)
             _loop_progress.count_extra_optimizer_steps(self._trainer, iterations - 1, iterations - 1)
             if self._shown_gradients is not None:
                 self._shown_gradients.arrived(self._executors["training_step"].gradients())
@@ -552,7 +553,8 @@ class IPUStrategy(ParallelStrategy):
         program = executor.last_program
         logged = executor.last_logs if self._processes == 1 else _processes.gathered(executor.last_logs)
         metrics = _metrics.update(self.lightning_module, program, logged, executor.options.device_iterations)
-        self._log(program, logged, metrics)
+        replicas = (self._processes, executor.options.replication_factor) if method == "training_step" else None
+        self._log(program, logged, metrics, replicas=replicas)
         _appends.extend(self.lightning_module, program, executor.last_logs)
         return _outputs.combine_outputs(result, program, _micro_batch_size(args[0], factor))
 
@@ -725,12 +727,17 @@ class IPUStrategy(ParallelStrategy):
         events = self._manual_events
         return events.steps_per_training_step or 0, events.steps_taken
 
-    def _log(self, program, logged: dict, metrics: dict, weights: torch.Tensor | None = None) -> None:
+    def _log(self, program, logged: dict, metrics: dict, weights: torch.Tensor | None = None,
+             replicas: tuple[int, int] | None = None) -> None:
         """Hand each ``self.log`` of the compiled step to Lightning, with its concrete value (a
         torchmetrics object as itself, its state brought up to date by ``_metrics.update``);
         ``weights``: the size of each micro-batch the logged values come from, when they differ.
-        With several processes the values come from every process's replicas already, so
-        Lightning is not asked to reduce them again (``sync_dist``)."""
+        Given the ``(processes, replicas per process)`` the values come from (training), each
+        process's in input order (micro-batch, replica), a tensor is logged once per
+        micro-batch returned, in order, its value reduced over the replicas: as the CPU's loop
+        logs each batch, an ``on_epoch`` value is aggregated over every micro-batch, and the step
+        value is the last one's. With several processes the values come from every process's
+        replicas already, so Lightning is not asked to reduce them again (``sync_dist``)."""
         module = self.lightning_module
         synced = {"sync_dist": False} if self._processes > 1 else {}
         for call in program.logs:
@@ -739,8 +746,13 @@ class IPUStrategy(ParallelStrategy):
             if call.metric is not None:
                 value = metrics[call.metric]
             elif call.is_tensor:
-                value = _outputs.reduce_logged(call.name, logged[call.name], call.kwargs.get("reduce_fx", "mean"),
-                                               weights)
+                reduce_fx = call.kwargs.get("reduce_fx", "mean")
+                values = logged[call.name].reshape(1, -1) if replicas is None else _outputs.per_micro_batch(
+                    logged[call.name], *replicas)
+                for value in values:
+                    module.log(call.name, _outputs.reduce_logged(call.name, value, reduce_fx, weights),
+                               **{**call.kwargs, **synced})
+                continue
             else:
                 value = call.constant
             module.log(call.name, value, **{**call.kwargs, **synced})

@@ -77,6 +77,12 @@ class LogCall:
     def is_tensor(self) -> bool:
         return self.constant is None and self.metric is None
 
+    @property
+    def aggregated_over_epoch(self) -> bool:
+        """A tensor logged with ``on_epoch=True``: Lightning reduces it over every batch of the
+        epoch, so a call returns it for every micro-batch."""
+        return self.is_tensor and self.state is None and self.appended is None and bool(self.kwargs.get("on_epoch"))
+
 
 class _LogRecorder:
     """Stands in for ``LightningModule.log``/``log_dict`` while a step is traced."""

@@ -201,9 +201,10 @@ class Program:
 
     def call_totals(self) -> dict[str, str]:
         """Logged name -> what a call returns of it over all its micro-batches, whatever the
-        output mode keeps: a metric state reduced ("sum" | "max" | "min"), an appended tensor
-        for every micro-batch (``list_appends.EVERY_MICRO_BATCH``)."""
-        return {**metric_states.totals_of(self.logs), **list_appends.every_micro_batch(self.logs)}
+        output mode keeps: a metric state reduced ("sum" | "max" | "min"), an appended tensor or
+        a value aggregated over the epoch for every micro-batch (``list_appends.EVERY_MICRO_BATCH``)."""
+        every = {call.name: list_appends.EVERY_MICRO_BATCH for call in self.logs if call.aggregated_over_epoch}
+        return {**metric_states.totals_of(self.logs), **every, **list_appends.every_micro_batch(self.logs)}
 
     def result_shapes(self) -> list:
         """Per leaf of a step method's result, its shape (None for a constant leaf)."""
