@@ -679,12 +679,17 @@ decompositions (``torch._decomp``) into indexing and arithmetic, so they compute
 
 _KEPT_WHOLE = (torch.ops.aten.detach.default, torch.ops.aten.std.correction, torch.ops.aten.std_mean.correction,
                torch.ops.aten.linalg_solve.default, torch.ops.aten.linalg_inv.default, torch.ops.aten.inverse.default,
-               torch.ops.aten.linalg_cholesky.default, torch.ops.aten.softplus.default, torch.ops.aten.sinc.default)
+               torch.ops.aten.linalg_cholesky.default, torch.ops.aten.softplus.default, torch.ops.aten.sinc.default,
+               torch.ops.aten._euclidean_dist.default, torch.ops.aten.hardswish.default,
+               torch.ops.aten.hardsigmoid.default, torch.ops.aten.xlogy.Tensor)
 """Ops core ATen decomposes whose decomposition differentiates otherwise, or drops a check:
 ``detach`` becomes a plain ``alias``, through which gradients would flow; ``std`` becomes
 ``sqrt(var)``, whose gradient is NaN where the deviation is 0 (constant rows, padding), where
 torch's is 0; ``softplus`` and ``sinc`` become a ``where`` whose untaken branch gives NaN
-gradients (``0 * inf``) where torch's are finite; ``linalg.solve``, ``inv`` and ``cholesky``
+gradients (``0 * inf``) where torch's are finite, ``_euclidean_dist`` (``cdist``'s matmul form) a
+square root whose gradient is NaN at a zero distance, where torch's is 0, ``xlogy`` a product
+whose gradient is NaN at ``x = 0, y = 0``, ``hardswish`` and ``hardsigmoid`` clamps whose gradients
+at ±3 are not torch's; ``linalg.solve``, ``inv`` and ``cholesky``
 become their ``_ex`` variants, whose check of a singular input (``_linalg_check_errors``) export
 drops."""
 

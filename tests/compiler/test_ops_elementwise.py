@@ -204,19 +204,24 @@ CASES = [
                        F.hardtanh(x[8], -0.25, 1.0), F.relu6(x[9]), F.softplus(x[10]),
                        F.softplus(x[11], beta=2.0, threshold=5.0), F.silu(x[12]), F.mish(x[13]),
                        F.hardsigmoid(x[14]), F.hardswish(x[15])),
-           # Inputs avoid +-3, where torch's hardsigmoid/hardswish derivative is 0 but that of their
-           # decomposition (clamp) is not.
            repeated(activation_inputs, 16), FLOATS,
            ops=(aten.gelu.default, aten.leaky_relu.default, aten.elu.default, aten.hardtanh.default,
-                aten.softplus.default)),
+                aten.softplus.default, aten.hardsigmoid.default, aten.hardswish.default)),
     OpCase("gradients_where_a_formula_branches",
            # torch's derivatives, finite where a decomposition's untaken branch would give NaN:
-           # softplus and mish past exp's overflow, sinc at 0, atan2 at (0, 0).
-           lambda big, x: (F.softplus(big), F.softplus(big, beta=2.0), F.mish(big), torch.sinc(x),
-                           torch.atan2(x * (x.abs() > 1), x * (x.abs() > 0.5))),
+           # softplus and mish past exp's overflow, sinc at 0, atan2 at (0, 0); hardsigmoid and
+           # hardswish at their ends (+-3); a power of 0 with exponent 0 or -1, and xlogy at (0, 0).
+           lambda big, x, ends, base, exponent: (
+               F.softplus(big), F.softplus(big, beta=2.0), F.mish(big), torch.sinc(x),
+               torch.atan2(x * (x.abs() > 1), x * (x.abs() > 0.5)), F.hardsigmoid(ends), F.hardswish(ends),
+               torch.pow(base, exponent), torch.xlogy(base, exponent.abs())),
            lambda dtype: (torch.tensor([-100.0, -30.0, -1.0, 0.0, 1.0, 30.0, 50.0, 100.0]).to(dtype),
-                          torch.tensor([0.0, 0.25, -0.75, 0.6, -2.0, 1.5]).to(dtype)),
-           FLOATS, ops=(aten.softplus.default, aten.sinc.default, aten.atan2.default)),
+                          torch.tensor([0.0, 0.25, -0.75, 0.6, -2.0, 1.5]).to(dtype),
+                          torch.tensor([-3.0, 3.0, -2.5, 2.5, -4.0, 4.0]).to(dtype),
+                          torch.tensor([0.0, 0.0, 0.0, 1.5, 2.0, 0.5]).to(dtype),
+                          torch.tensor([0.0, -1.0, 2.0, 0.0, -1.5, 1.0]).to(dtype)),
+           FLOATS, ops=(aten.softplus.default, aten.sinc.default, aten.atan2.default, aten.hardsigmoid.default,
+                        aten.hardswish.default, aten.pow.Tensor_Tensor, aten.xlogy.Tensor)),
     OpCase("products_with_a_mask",
            # x * False is x * 0: -0.0 for a negative x (1 / it is -inf), NaN for an infinite x.
            lambda x: (1 / (x * (x.abs() > 1)), (x / 0) * (x > 0), torch.atan2(x * (x > 5), -x.abs())),

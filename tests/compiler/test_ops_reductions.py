@@ -198,6 +198,12 @@ NORM_CASES = [
     # cdist's gradient differs from vector_norm's (p=inf: every tie gets the whole gradient).
     OpCase("cdist_batched_ties", lambda a, b: tuple(torch.cdist(a, b, p) for p in (2.0, 1.0, 0.5, 3.0, INF)),
            ties((2, 5, 3), (4, 3)), ops=(aten._cdist_forward.default,)),
+    # Over 25 rows torch computes p=2 distances as one product; a point and itself (zero distance)
+    # passes no gradient, where the square root's would be NaN. Small integers: the product is exact.
+    OpCase("cdist_product_form_with_zero_distances", lambda a, b: (torch.cdist(a, a), torch.cdist(a, b)),
+           lambda dtype: (torch.randint(-2, 3, (30, 3), generator=torch.Generator().manual_seed(0)).to(dtype),
+                          torch.randint(-2, 3, (2, 27, 3), generator=torch.Generator().manual_seed(1)).to(dtype)),
+           (torch.float32,), ops=(aten._euclidean_dist.default,)),
 ]
 
 SOFTMAX_CASES = [

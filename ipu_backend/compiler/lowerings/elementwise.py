@@ -157,9 +157,83 @@ def pow_tensor_scalar(ctx, x, exponent):
 
 @lowering(aten.pow.Tensor_Tensor, aten.pow.Scalar)
 def pow_(ctx, x, y):
-    """Integer powers follow torch: a negative exponent gives 0 unless the base is 1 or -1."""
+    """Integer powers follow torch: a negative exponent gives 0 unless the base is 1 or -1.
+    Float powers have torch's derivatives (:func:`_float_power`)."""
     x, y = operands(ctx, x, y)
+    return _float_power(x, y) if _is_float(x) else jnp.power(x, y)
+
+
+@jax.custom_jvp
+def _float_power(x, y):
     return jnp.power(x, y)
+
+
+@_float_power.defjvp
+def _float_power_jvp(primals, tangents):
+    """torch's ``pow_backward_self`` and ``pow_backward_exponent``: a zero exponent passes the
+    base no gradient (where ``0 * 0**-1`` is NaN), and a zero base with an exponent of at least
+    0 passes the exponent none (where ``0**y * log 0`` is NaN)."""
+    (x, y), (dx, dy) = primals, tangents
+    result = jnp.power(x, y)
+    by_base = jnp.where(y == 0, 0, y * jnp.power(x, y - 1))
+    by_exponent = jnp.where((x == 0) & (y >= 0), 0, result * jnp.log(x))
+    return result, by_base * dx + by_exponent * dy
+
+
+@lowering(aten.xlogy.Tensor)
+def xlogy(ctx, x, y):
+    """``x * log(y)``, 0 where ``x`` is 0 (unless ``y`` is NaN), with torch's derivative in ``x``:
+    ``log(y)``, but 0 where ``x`` is 0 and ``y`` at most 0 (where the product's would be NaN)."""
+    x, y = operands(ctx, x, y)
+    return _xlogy(x, y)
+
+
+@jax.custom_jvp
+def _xlogy(x, y):
+    return jnp.where((x == 0) & ~jnp.isnan(y), 0, x * jnp.log(y))
+
+
+@_xlogy.defjvp
+def _xlogy_jvp(primals, tangents):
+    (x, y), (dx, dy) = primals, tangents
+    return _xlogy(x, y), jnp.where((x == 0) & (y <= 0), 0, jnp.log(y)) * dx + x / y * dy
+
+
+@lowering(aten.hardsigmoid.default)
+def hardsigmoid(ctx, x):
+    (x,) = operands(ctx, x)
+    return _hardsigmoid(x)
+
+
+@jax.custom_jvp
+def _hardsigmoid(x):
+    return jnp.clip(x + 3, 0, 6) / 6
+
+
+@_hardsigmoid.defjvp
+def _hardsigmoid_jvp(primals, tangents):
+    """torch's derivative: 1/6 strictly inside (-3, 3), 0 from either end on."""
+    (x,), (dx,) = primals, tangents
+    return _hardsigmoid(x), jnp.where((x > -3) & (x < 3), dx / 6, 0)
+
+
+@lowering(aten.hardswish.default)
+def hardswish(ctx, x):
+    (x,) = operands(ctx, x)
+    return _hardswish(x)
+
+
+@jax.custom_jvp
+def _hardswish(x):
+    return x * jnp.clip(x + 3, 0, 6) / 6
+
+
+@_hardswish.defjvp
+def _hardswish_jvp(primals, tangents):
+    """torch's derivative: ``x / 3 + 1/2`` strictly inside (-3, 3), 0 from -3 down, 1 from 3 up."""
+    (x,), (dx,) = primals, tangents
+    slope = jnp.where(x <= -3, 0, jnp.where(x >= 3, 1, x / 3 + 0.5))
+    return _hardswish(x), slope * dx
 
 
 # Sign, magnitude and rounding -------------------------------------------------------------------

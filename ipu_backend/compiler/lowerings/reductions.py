@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from ipu_backend.compiler import backend
 from ipu_backend.compiler.dtypes import jax_dtype
 from ipu_backend.compiler.registry import lowering
 
@@ -418,6 +419,37 @@ def cdist(ctx, x1, x2, p, compute_mode=None):
     difference = _widen(x1)[..., :, None, :] - _widen(x2)[..., None, :, :]
     axis = difference.ndim - 1
     return jnp.squeeze(_differentiable_norm(difference, float(p), (axis,), _cdist_slope), axis)
+
+
+@lowering(aten._euclidean_dist.default)
+def euclidean_dist(ctx, x1, x2):
+    """The matmul form of p=2 ``cdist`` (torch's pick for more than 25 rows, or by its
+    ``compute_mode``): ``|x1|² - 2 x1·x2 + |x2|²`` as one product, clamped at 0, square-rooted, as
+    torch computes it; its gradient is torch's ``_euclidean_dist_backward``, where a zero distance
+    (a point and itself) passes none rather than the square root's NaN."""
+    return _euclidean_distance(_widen(x1), _widen(x2))
+
+
+def _euclidean_distance_forward(x1, x2):
+    x1_norm = jnp.sum(x1 * x1, axis=-1, keepdims=True)
+    x2_norm = jnp.sum(x2 * x2, axis=-1, keepdims=True)
+    x1_ = jnp.concatenate([x1 * -2, x1_norm, jnp.ones_like(x1_norm)], axis=-1)
+    x2_ = jnp.concatenate([x2, jnp.ones_like(x2_norm), x2_norm], axis=-1)
+    squared = jnp.matmul(x1_, jnp.swapaxes(x2_, -1, -2), precision=backend.float32_precision("matmul"))
+    result = jnp.sqrt(jnp.maximum(squared, 0))
+    return result, (x1, x2, result)
+
+
+def _euclidean_distance_backward(saved, gradient):
+    x1, x2, result = saved
+    precision = backend.float32_precision("matmul")
+    ratio = jnp.where(result == 0, 0, gradient / jnp.where(result == 0, 1, result))
+    return (x1 * jnp.sum(ratio, axis=-1, keepdims=True) - jnp.matmul(ratio, x2, precision=precision),
+            x2 * jnp.sum(ratio, axis=-2)[..., None] - jnp.matmul(jnp.swapaxes(ratio, -1, -2), x1, precision=precision))
+
+
+_euclidean_distance = jax.custom_vjp(lambda x1, x2: _euclidean_distance_forward(x1, x2)[0])
+_euclidean_distance.defvjp(_euclidean_distance_forward, _euclidean_distance_backward)
 
 
 def _shifted(x, axis):
