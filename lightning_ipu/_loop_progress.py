@@ -2,8 +2,9 @@
 
 One host call runs ``device_iterations`` optimizer steps, but Lightning's loop counts one per
 batch: the extra steps are added to the loop's optimizer-step progress (``trainer.global_step``)
-and to the batches that stepped (where the step loggers record); while the optimizers are
-configured, ``max_steps`` is read in batches. These are Lightning internals, checked against the
+and to the batches that stepped (where the step loggers record), which the callbacks'
+``on_train_batch_start`` see at the call's last step; while the optimizers are configured,
+``max_steps`` is read in batches. These are Lightning internals, checked against the
 Lightning version by ``_lightning_hooks.check_version``.
 """
 
@@ -39,3 +40,11 @@ def max_steps_in_batches(trainer, iterations: int):
         yield
     finally:
         epoch_loop.max_steps = saved
+
+
+def shift_batches_that_stepped(trainer, batches: int) -> None:
+    """Move the count of batches that stepped by ``batches``: by a call's ``device_iterations``
+    less one while the callbacks' ``on_train_batch_start`` run, so that what logs there
+    (``LearningRateMonitor``) sees, as the step loggers do after the call, its last optimizer
+    step, back by as much after them."""
+    trainer.fit_loop.epoch_loop._batches_that_stepped += batches

@@ -170,6 +170,7 @@ class IPUStrategy(ParallelStrategy):
         """Whether training calls keep their gradients for an epoch without backward."""
         self._trainer = None
         self._accumulate_grad_batches: int | None = None
+        self._shifted_batch_start: int | None = None
         self._num_nodes = 1
         self._rank, self._processes = 0, 1
         self._compilations_shown = contextlib.ExitStack()
@@ -472,7 +473,18 @@ class IPUStrategy(ParallelStrategy):
         """Batches stay on the host: the compiled call splits them over the replicas. In the
         ``-true`` precisions their float tensors are cast to the half dtype here too, as the
         Lightning IPU plugin does (also for a batch a hook made after ``convert_input``)."""
+        if self._shifted_batch_start is None and self._trainer is not None and self._trainer.training:
+            self._shifted_batch_start = self._training_opts.device_iterations - 1
+            _loop_progress.shift_batches_that_stepped(self._trainer, self._shifted_batch_start)
         return self.precision_plugin.convert_input(batch)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """After the callbacks' ``on_train_batch_start``: the count ``batch_to_device`` moved for
+        them goes back (see ``_loop_progress.shift_batches_that_stepped``)."""
+        if self._shifted_batch_start is not None:
+            _loop_progress.shift_batches_that_stepped(self._trainer, -self._shifted_batch_start)
+            self._shifted_batch_start = None
 
     # --- steps -------------------------------------------------------------------------------
     @override

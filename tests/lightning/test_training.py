@@ -157,6 +157,35 @@ def test_estimated_stepping_batches_counts_the_batches_a_fit_with_max_steps_runs
     assert ipu.estimated == 3 and trainer.max_steps == 6
 
 
+class LoggedMetrics(pl.loggers.Logger):
+    """Every ``log_metrics`` call a fit makes, as ``(step, names)``."""
+
+    name, version = "memory", 0
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, sorted(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def test_a_learning_rate_monitor_logs_at_the_cpus_steps():
+    """It logs in on_train_batch_start, before the call's optimizer steps are counted."""
+    rows = {}
+    for accelerator, strategy in (("cpu", "auto"), ("ipu", IPUStrategy(device_iterations=4))):
+        logger = LoggedMetrics()
+        trainer = pl.Trainer(accelerator=accelerator, devices=1, strategy=strategy, max_epochs=1, logger=logger,
+                             log_every_n_steps=4, callbacks=[pl.callbacks.LearningRateMonitor("step")],
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(Regressor(), loader(dataset(32), 4))
+        rows[accelerator] = [step for step, names in logger.rows if "lr-SGD" in names]
+    assert rows["ipu"] == rows["cpu"] == [3, 7]
+
+
 def test_device_iterations_run_several_optimizer_steps_per_batch_and_count_them():
     cpu_recorder = Recorder()
     cpu_trainer = pl.Trainer(accelerator="cpu", max_steps=6, callbacks=[cpu_recorder], **QUIET)
