@@ -278,11 +278,14 @@ class Executor:
         """How often a changed Python attribute made this executor capture its program again."""
         self._check_processes()
         seed = self._settings.random_seed
-        seed = int(torch.randint(0, 2**31 - 1, ())) if seed is None else seed
+        if seed is None:
+            with torch.random.fork_rng(devices=[]):     # as in PopTorch, the script's draws stay as they were
+                seed = int(torch.randint(0, 2**31 - 1, ()))
         if self._settings.processes > 1:
             seed = int(processes.from_first_process(np.int32(seed)))
         self._seed = seed
-        """Options.randomSeed, else drawn from torch's generator; over several processes, process 0's."""
+        """Options.randomSeed, else drawn from torch's generator without advancing it; over several
+        processes, process 0's."""
         self._synthetic = synthetic_data.for_settings(self._settings.synthetic_data, seed)
         """The inputs made on the device under ``Options.enableSyntheticData`` (None: the caller's)."""
         self._key = None

@@ -60,3 +60,15 @@ def test_rng_state_continues_a_run_in_a_new_executor():
     second(x[1], y[1])
     for name, value in resumed.state_dict().items():
         assert torch.equal(value, model.state_dict()[name]), name
+
+
+def test_wrapping_a_model_leaves_torchs_random_stream_as_it_was():
+    """PopTorch takes no draw from the script's generator when it wraps or runs a model."""
+    model = torch.nn.Linear(2, 2)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    executor = poptorch.inferenceModel(model)
+    executor(torch.ones(1, 2))
+    poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    torch.testing.assert_close(torch.rand(3), expected, rtol=0, atol=0)
