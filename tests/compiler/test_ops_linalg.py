@@ -36,6 +36,12 @@ def nan_bias_then_randn(bias_shape, *shapes):
                           *randn(*shapes)(dtype))
 
 
+def randn_then_nan_product(bias_shape, *shapes):
+    """A normal bias, then product operands full of NaN, which alpha=0 must ignore."""
+    return lambda dtype: (*randn(bias_shape)(dtype),
+                          *(torch.full(shape, float("nan"), dtype=dtype) for shape in shapes))
+
+
 CASES = [
     OpCase("mm", torch.mm, randn((3, 4), (4, 5)), FLOATS, ops=(aten.mm.default,)),
     OpCase("mm_transposed_operands", lambda x, y: torch.mm(x.t(), y.t()), randn((6, 3), (5, 6)),
@@ -59,6 +65,11 @@ CASES = [
     OpCase("addmv_scalar_bias", torch.addmv, randn((), (3, 4), (4,)), ops=(aten.addmv.default,)),
     OpCase("addmv_beta_zero_ignores_nan_bias", lambda b, m, v: torch.addmv(b, m, v, beta=0),
            nan_bias_then_randn((3,), (3, 4), (4,)), ops=(aten.addmv.default,)),
+    OpCase("alpha_zero_ignores_a_nan_product",
+           lambda b, m, v, x: (torch.addmv(b, m, v, alpha=0, beta=0.5), torch.addmm(b[:, None], m, x, alpha=0),
+                               torch.addbmm(b[:, None], m[None], x[None], alpha=0, beta=2)),
+           randn_then_nan_product((3,), (3, 4), (4,), (4, 2)), grad=False,
+           ops=(aten.addmv.default, aten.addmm.default, aten.addbmm.default)),
     OpCase("addbmm", lambda b, x, y: torch.addbmm(b, x, y, beta=0.5, alpha=2.0),
            randn((3, 5), (2, 3, 4), (2, 4, 5)), FLOATS, ops=(aten.addbmm.default,)),
     OpCase("baddbmm", lambda b, x, y: torch.baddbmm(b, x, y, beta=0.5, alpha=2.0),

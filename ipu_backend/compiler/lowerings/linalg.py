@@ -99,8 +99,11 @@ _cpu_matrix_product.defvjp(_cpu_matrix_product_fwd, _cpu_matrix_product_bwd)
 
 def _scaled_sum(bias, product, beta, alpha):
     """``beta * bias + alpha * product``; beta == 0 ignores bias entirely, so NaN or inf in it
-    do not propagate (torch's documented addmm/addmv/addbmm semantics)."""
-    if alpha != 1:
+    do not propagate (torch's documented addmm/addmv/addbmm semantics), and alpha == 0 the
+    product, as torch's CPU kernels do."""
+    if alpha == 0:
+        product = jnp.zeros_like(product)
+    elif alpha != 1:
         product = alpha * product
     if beta == 0:
         return product
