@@ -359,6 +359,43 @@ class AdamW(_IPUOptions, torch.optim.AdamW):
             "second_order_momentum_accum_type": second_order_momentum_accum_type,
             "max_grad_norm": max_grad_norm})
 
+    @torch.no_grad()
+    def step(self, closure=None):
+        """torch's step; without bias correction an eager step of the compiled rule's formula
+        (computed in float32, moments kept in their accumulator types), which torch's lacks."""
+        if self.bias_correction:
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    self._update_without_bias_correction(param, group)
+        return loss
+
+    def _update_without_bias_correction(self, param, group) -> None:
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(param, dtype=group["first_order_momentum_accum_type"])
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=group["second_order_momentum_accum_type"])
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg_sq"])
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        grad = -param.grad.float() if group["maximize"] else param.grad.float()
+        exp_avg = state["exp_avg"].float().lerp_(grad, 1 - beta1)
+        exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        state["exp_avg"].copy_(exp_avg)
+        state["exp_avg_sq"].copy_(exp_avg_sq)
+        if group["amsgrad"]:
+            exp_avg_sq = torch.maximum(state["max_exp_avg_sq"].float(), exp_avg_sq)
+            state["max_exp_avg_sq"].copy_(exp_avg_sq)
+        weight = param.float().mul_(1 - group["lr"] * group["weight_decay"])
+        param.copy_(weight.addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(group["eps"]), value=-group["lr"]))
+
 
 class RMSprop(_IPUOptions, torch.optim.RMSprop):
     """``torch.optim.RMSprop`` with PopTorch's loss scaling, accumulator types and

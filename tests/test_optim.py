@@ -250,8 +250,11 @@ def test_adamw_without_bias_correction():
         v = state["v"] = beta2 * state.get("v", 0.0) + (1 - beta2) * grad * grad
         return param - lr * (m / (v.sqrt() + eps) + wd * param)
 
-    run = RuleRun(lambda m: optim.AdamW(m.parameters(), lr=lr, weight_decay=wd, bias_correction=False))
-    assert_params(run.run().params, reference_run(update))
+    make = lambda m: optim.AdamW(m.parameters(), lr=lr, weight_decay=wd, bias_correction=False)  # noqa: E731
+    expected = reference_run(update)
+    assert_params(RuleRun(make).run().params, expected)
+    eager, _ = torch_run(make)                              # its step() on the host too
+    assert_params(model_params(eager), expected)
 
 
 @pytest.mark.parametrize("momentum, centered", [(0.0, False), (0.6, True)])
