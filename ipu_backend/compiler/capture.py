@@ -296,6 +296,11 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
             "are data too.") from error
     except Error:
         raise
+    except SyntaxError as error:      # torch's code for the graph calls an op named like a keyword
+        raise Error(f"torch.export wrote invalid Python for the program's graph ({(error.text or '').strip()}): "
+                    "an op overload named after a Python keyword, as aten.random_.from, which "
+                    "Tensor.random_(from, to) calls, cannot be captured. Draw integers with "
+                    "torch.randint(low, high, shape) instead") from error
     except (RuntimeError, TypeError, ValueError, IndexError) as error:
         where = traceback_location(error.__traceback__)
         if where is None or not _raised_by_torch(error.__traceback__):

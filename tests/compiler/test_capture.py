@@ -319,6 +319,18 @@ def test_a_packed_sequence_is_refused_naming_the_line_and_the_padded_alternative
 
 
 
+class RandomFrom(torch.nn.Module):
+    def forward(self, x):
+        return x.clone().random_(5, 100)
+
+
+def test_random_from_to_is_refused_naming_torch_randint():
+    """torch.export writes ``aten.random_.from(...)``, invalid Python, for ``random_(from, to)``."""
+    with pytest.raises(Error, match=r"invalid Python .*aten\.random_\.from.*torch\.randint\(low, high, shape\)"):
+        compile_module(RandomFrom(), (torch.zeros(3),))
+
+
+
 class Reversed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
