@@ -13,7 +13,9 @@ PopTorch, ``None`` for any argument means its default (``accum_type=None`` is fl
 
 The compiled training step runs its own update rule (``ipu_backend.runtime.optimizers``)
 that applies all of them. ``step()`` of SGD, Adam, AdamW and RMSprop is torch's eager step, which
-(as in PopTorch) applies none of the IPU options; LAMB's eager step follows PopTorch's formula.
+(as in PopTorch) applies none of the IPU options, but for ``AdamW(bias_correction=False)``, whose
+eager step leaves out the bias correction as the compiled one does; LAMB's eager step follows
+PopTorch's formula. :class:`Optimizer` is their common base, as in PopTorch.
 
 Each optimizer has PopTorch's ``variable_attrs`` (:class:`VariableAttributes`): the attributes
 given to the constructor are variable, the others constant. On emulated IPUs every
@@ -179,8 +181,9 @@ def _hyper_parameter(value) -> bool:
     return bool(numbers) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers)
 
 
-class _IPUOptions:
-    """Stores PopTorch's extra options in ``defaults`` and every param group; adds PopTorch's
+class Optimizer:
+    """PopTorch's base of its optimizers (``isinstance(opt, poptorch.optim.Optimizer)``): stores
+    PopTorch's extra options in ``defaults`` and every param group; adds PopTorch's
     ``ipu_state`` and ``ipu_param`` entries to ``state_dict()``.
 
     ``ipu_state`` maps ``"<slot>___<parameter name>"`` (torch's slot names: ``exp_avg``,
@@ -285,7 +288,7 @@ class _IPUOptions:
                                  f"same value, got {values}; pass it to the constructor only")
 
 
-class SGD(_IPUOptions, torch.optim.SGD):
+class SGD(Optimizer, torch.optim.SGD):
     """``torch.optim.SGD`` with PopTorch's loss scaling, velocity scaling and accumulator types.
 
     ``use_combined_accum=True`` is PopTorch's combined variant: the velocity is stored multiplied
@@ -313,7 +316,7 @@ class SGD(_IPUOptions, torch.optim.SGD):
             "velocity_accum_type": velocity_accum_type, "max_grad_norm": max_grad_norm})
 
 
-class Adam(_IPUOptions, torch.optim.Adam):
+class Adam(Optimizer, torch.optim.Adam):
     """``torch.optim.Adam`` with PopTorch's loss scaling, accumulator types and gradient clipping."""
 
     _optimizer_wide = ("loss_scaling", "accum_type", "first_order_momentum_accum_type",
@@ -335,7 +338,7 @@ class Adam(_IPUOptions, torch.optim.Adam):
             "max_grad_norm": max_grad_norm})
 
 
-class AdamW(_IPUOptions, torch.optim.AdamW):
+class AdamW(Optimizer, torch.optim.AdamW):
     """``torch.optim.AdamW`` with PopTorch's loss scaling, accumulator types, gradient clipping and
     ``bias_correction`` (``False``: the moments are used without Adam's bias correction)."""
 
@@ -397,7 +400,7 @@ class AdamW(_IPUOptions, torch.optim.AdamW):
         param.copy_(weight.addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(group["eps"]), value=-group["lr"]))
 
 
-class RMSprop(_IPUOptions, torch.optim.RMSprop):
+class RMSprop(Optimizer, torch.optim.RMSprop):
     """``torch.optim.RMSprop`` with PopTorch's loss scaling, accumulator types and
     ``use_tf_variant``: TensorFlow's RMSprop, whose mean square starts at one, whose ``eps`` is
     added inside the square root and whose momentum buffer accumulates ``lr`` times the step."""
@@ -421,7 +424,7 @@ class RMSprop(_IPUOptions, torch.optim.RMSprop):
             "use_tf_variant": use_tf_variant})
 
 
-class LAMB(_IPUOptions, torch.optim.Optimizer):
+class LAMB(Optimizer, torch.optim.Optimizer):
     """Layer-wise Adaptive Moments (You et al., 2019) as PopTorch defines it.
 
     Per parameter tensor ``w`` with gradient ``g`` and step ``t``::
