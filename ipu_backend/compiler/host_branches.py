@@ -252,6 +252,11 @@ def _outputs(program) -> list:
             else ("constant", leaf) for leaf in program.output_leaves()]
 
 
+def _returns_none(program) -> bool:
+    """Whether a step's result is ``None`` (Lightning's way to skip a batch)."""
+    return program.output_spec.child(0).num_leaves == 1 and program.output_leaves()[0] is None
+
+
 def _check_same_structure(a: Variant, b: Variant) -> None:
     pa, pb = a.program, b.program
     difference = None
@@ -261,6 +266,10 @@ def _check_same_structure(a: Variant, b: Variant) -> None:
         difference = "their self.log calls differ in arguments or constant values"
     elif pa.output_spec != pb.output_spec or _outputs(pa) != _outputs(pb):
         difference = "they return results of different structures, shapes or dtypes"
+        if _returns_none(pa) or _returns_none(pb):
+            difference += (" (one returns None, which skips a batch's optimizer step in Lightning on the CPU "
+                           "but not in a compiled step, as in Lightning's IPU plugin: leave such batches "
+                           "out of the dataloader)")
     elif (pa.mutated_buffers, pa.mutated_inputs, pa.stacks, pa.keywords) != (
             pb.mutated_buffers, pb.mutated_inputs, pb.stacks, pb.keywords):
         difference = "they update different buffers or inputs in place"

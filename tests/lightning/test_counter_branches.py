@@ -119,6 +119,20 @@ def test_branches_that_log_differently_name_the_line_and_the_fix():
         trainer.fit(LogsInOneBranch(), loader(dataset(16), 2))
 
 
+class SkipsSomeBatches(Regressor):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if batch_idx % 3 == 1:
+            return None
+        return F.mse_loss(self.net(x), y)
+
+
+def test_a_step_returning_none_to_skip_a_batch_is_refused_naming_the_alternative():
+    trainer = pl.Trainer(accelerator="ipu", strategy=IPUStrategy(device_iterations=2), max_steps=2, **QUIET)
+    with pytest.raises(ipu_backend.Error, match=r"if batch_idx % 3 == 1:.*\(one returns None.*out of the dataloader"):
+        trainer.fit(SkipsSomeBatches(), loader(dataset(16), 2))
+
+
 class LogsTheBatchIndex(Regressor):
     def training_step(self, batch, batch_idx):
         self.log("batch", float(batch_idx))
