@@ -28,6 +28,7 @@ from ipu_backend.compiler import (
     distribution_checks,
     float32_precision,
     fused_losses,
+    grid_sampling,
     hints,
     host_branches,
     list_appends,
@@ -706,6 +707,7 @@ def _split_core_aten_decompositions() -> tuple[dict, dict]:
     with _cia_ops_materialized_once():
         table = dict(torch.export.default_decompositions().items())
         table.update(torch._decomp.get_decompositions(_TORCH_DECOMPOSED))
+        table[torch.ops.aten.grid_sampler_2d.default] = grid_sampling.grid_sampler_2d
         for op in _KEPT_WHOLE:
             table.pop(op, None)
         return _exported_program._split_decomp_table_to_cia_and_python_decomp(table)

@@ -20,6 +20,16 @@ def image_and_grid(dtype):
     return torch.randn(2, 3, 5, 7).to(dtype), (torch.rand(2, 4, 6, 2) * 2.4 - 1.2).to(dtype)
 
 
+def image_and_boundary_grid(dtype):
+    """Sampling points within a float32 rounding of pixel boundaries (a grid that halves the image
+    has one at every sample), where torch's decomposition and its CPU kernel round differently."""
+    columns = torch.arange(-16, 17, dtype=torch.float32) / 2
+    x = torch.cat([(2 * columns + 1) / 7 - 1, 2 * columns / 6 - 1])           # align_corners False, True
+    x = (x[:, None] + torch.tensor([-1.2e-7, 0.0, 1.2e-7])).reshape(2, -1, 1)
+    grid = torch.stack([x, x.flip(1) * 0.7], -1).expand(2, -1, 3, 2)
+    return torch.randn(2, 3, 5, 7).to(dtype), grid.to(dtype)
+
+
 CASES = [
     OpCase("interpolate_nearest",
            lambda x: (F.interpolate(x, scale_factor=2, mode="nearest"),
@@ -36,6 +46,10 @@ CASES = [
                                  for mode in ("bilinear", "nearest")
                                  for padding, corners in (("zeros", False), ("border", True), ("reflection", False))),
            image_and_grid),
+    OpCase("grid_sample_nearest_at_pixel_boundaries",
+           lambda x, grid: tuple(F.grid_sample(x, grid, mode="nearest", padding_mode=padding, align_corners=corners)
+                                 for padding in ("zeros", "border") for corners in (False, True)),
+           image_and_boundary_grid, dtypes=(torch.float32,)),
     OpCase("bucketize",
            lambda x: (torch.bucketize(x, torch.tensor([-1.0, 0.0, 0.5, 1.0])),
                       torch.bucketize(x, torch.tensor([-1.0, 0.0, 0.5, 1.0]), right=True, out_int32=True)),
