@@ -181,6 +181,20 @@ def _hyper_parameter(value) -> bool:
     return bool(numbers) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers)
 
 
+def _eager_step(optimizer, closure, update):
+    """torch's ``step(closure)`` protocol: the closure's loss (computed with gradients), after
+    ``update(param, group)`` of every parameter that has a gradient."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None:
+                update(param, group)
+    return loss
+
+
 class Optimizer:
     """PopTorch's base of its optimizers (``isinstance(opt, poptorch.optim.Optimizer)``): stores
     PopTorch's extra options in ``defaults`` and every param group; adds PopTorch's
@@ -368,15 +382,7 @@ class AdamW(Optimizer, torch.optim.AdamW):
         (computed in float32, moments kept in their accumulator types), which torch's lacks."""
         if self.bias_correction:
             return super().step(closure)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    self._update_without_bias_correction(param, group)
-        return loss
+        return _eager_step(self, closure, self._update_without_bias_correction)
 
     def _update_without_bias_correction(self, param, group) -> None:
         state = self.state[param]
@@ -464,15 +470,7 @@ class LAMB(Optimizer, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One eager LAMB step (computed in float32; moments kept in their accumulator types)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    self._update(param, group)
-        return loss
+        return _eager_step(self, closure, self._update)
 
     def _update(self, param, group) -> None:
         state = self.state[param]
