@@ -430,13 +430,18 @@ def euclidean_dist(ctx, x1, x2):
     return _euclidean_distance(_widen(x1), _widen(x2))
 
 
-def _euclidean_distance_forward(x1, x2):
+@jax.custom_vjp
+def _euclidean_distance(x1, x2):
     x1_norm = jnp.sum(x1 * x1, axis=-1, keepdims=True)
     x2_norm = jnp.sum(x2 * x2, axis=-1, keepdims=True)
     x1_ = jnp.concatenate([x1 * -2, x1_norm, jnp.ones_like(x1_norm)], axis=-1)
     x2_ = jnp.concatenate([x2, jnp.ones_like(x2_norm), x2_norm], axis=-1)
     squared = jnp.matmul(x1_, jnp.swapaxes(x2_, -1, -2), precision=backend.float32_precision("matmul"))
-    result = jnp.sqrt(jnp.maximum(squared, 0))
+    return jnp.sqrt(jnp.maximum(squared, 0))
+
+
+def _euclidean_distance_forward(x1, x2):
+    result = _euclidean_distance(x1, x2)
     return result, (x1, x2, result)
 
 
@@ -448,7 +453,6 @@ def _euclidean_distance_backward(saved, gradient):
             x2 * jnp.sum(ratio, axis=-2)[..., None] - jnp.matmul(jnp.swapaxes(ratio, -1, -2), x1, precision=precision))
 
 
-_euclidean_distance = jax.custom_vjp(lambda x1, x2: _euclidean_distance_forward(x1, x2)[0])
 _euclidean_distance.defvjp(_euclidean_distance_forward, _euclidean_distance_backward)
 
 
