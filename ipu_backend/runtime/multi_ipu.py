@@ -14,6 +14,7 @@ from collections import defaultdict
 import jax
 import numpy as np
 
+from ipu_backend.compiler.list_appends import EVERY_MICRO_BATCH
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX
 from ipu_backend.runtime.recording import PIPELINED, SHARDED, StageFacts
 from ipu_backend.runtime.schedule import inference_order, training_order
@@ -24,6 +25,13 @@ from ipu_backend.runtime.step import call_key
 _call_key = jax.jit(call_key)
 """A call's random key, made once for all its stages (one dispatch where eager ``fold_in`` costs a dozen)."""
 _HOST_REDUCE = {"sum": np.sum, "max": np.max, "min": np.min}
+
+
+def _stacked(host: dict, index: int, cells: list) -> np.ndarray:
+    """``[R, D', A', ...]``: output ``index`` of the micro-batches ``cells`` ((d, m), a grid in order)."""
+    rows = sorted({d for d, _ in cells})
+    columns = sorted({m for _, m in cells})
+    return np.moveaxis(np.stack([np.stack([host[d, m][index] for m in columns]) for d in rows]), 2, 0)
 
 
 def _merge(dicts) -> dict:
@@ -41,14 +49,20 @@ class MultiIpuProgram:
     """
 
     def __init__(self, part: Partition, stages: list[StageProgram], settings: MultiIpuSettings, layout, output_dtypes,
-                 rule, usage, tensor_leaves: list[int], log_names: tuple[str, ...], metric_states: dict):
+                 rule, usage, tensor_leaves: list[int], log_names: tuple[str, ...], totals: dict):
         self.part, self.stages, self.settings = part, stages, settings
         self.layout, self.output_dtypes, self.rule = layout, output_dtypes, rule
         self.memory = usage
         """Per-IPU memory estimate (:class:`~ipu_backend.runtime.memory.IpuMemory`, one replica)."""
         self._tensor_leaves = tensor_leaves
         self._log_names = log_names
-        self._metric_states = metric_states
+        first_log = len(part.array_outputs) - len(log_names)
+        index = {name: first_log + i for i, name in enumerate(log_names)}
+        self._reduced = {index[name]: how for name, how in totals.items() if how in _HOST_REDUCE}
+        """Output index -> how the call's total of that logged metric state reduces it."""
+        self._whole = {index[name] for name, how in totals.items() if how == EVERY_MICRO_BATCH}
+        """Output indices returned for every micro-batch whatever the output mode (logs aggregated
+        over the epoch, appended tensors)."""
         self._owner = {}
         for stage in stages:
             self._owner.update((n, stage) for n in stage.plan.owned + stage.plan.buffers)
@@ -60,12 +74,12 @@ class MultiIpuProgram:
         rest = (*rest, _call_key(key, index))
         state = self.place(state)
         if self.settings.training:
-            state, arrays = self._train(state, inputs, *rest)
+            state, arrays, totals = self._train(state, inputs, *rest)
         else:
-            state, arrays = self._infer(state, inputs, *rest)
+            state, arrays, totals = self._infer(state, inputs, *rest)
         results = len(arrays) - len(self._log_names)
-        logs = dict(zip(self._log_names, arrays[results:]))
-        return state, arrays[:results], {**logs, **self._totals(logs)}
+        totals = {self._log_names[i - results] + TOTAL_SUFFIX: total for i, total in totals.items()}
+        return state, arrays[:results], dict(zip(self._log_names, arrays[results:])) | totals
 
     @property
     def execution(self) -> str:
@@ -122,12 +136,6 @@ class MultiIpuProgram:
         return [{i: jax.device_put(arrays[i], stage.batch) for i in stage.input_avals} for stage in self.stages]
 
     # --- outputs -------------------------------------------------------------------------------
-    def _totals(self, logs: dict) -> dict:
-        """Logged metric states reduced over the call's micro-batches (``[R, D, A, ...]``, all of
-        them returned: see :func:`~ipu_backend.runtime.multi_ipu_builder.check_metric_states`) to ``[R, 1, 1, ...]``."""
-        return {name + TOTAL_SUFFIX: _HOST_REDUCE[how](logs[name], axis=(1, 2), keepdims=True)
-                for name, how in self._metric_states.items()}
-
     def _wanted(self, d: int, m: int, micro_batches: int) -> bool:
         mode = self.settings.schedule.output_mode
         last_micro = m == micro_batches - 1
@@ -137,18 +145,33 @@ class MultiIpuProgram:
             return last_micro and (d + 1) % self.settings.schedule.output_period == 0
         return last_micro and d == self.settings.schedule.device_iterations - 1
 
-    def _gather_outputs(self, collected: dict) -> list[np.ndarray]:
-        """``[R, D', A', ...]`` per array output from ``{(d, m): {output index: [R, ...]}}``."""
+    def _collect(self, collected: dict, outputs: dict, d: int, m: int, micro_batches: int) -> None:
+        """Keep a micro-batch's outputs the call returns: those the output mode selects, and of
+        every micro-batch those returned whole or reduced over the call."""
+        if self._wanted(d, m, micro_batches):
+            kept = outputs
+        else:
+            kept = {i: v for i, v in outputs.items() if i in self._whole or i in self._reduced}
+        if kept:
+            collected.setdefault((d, m), {}).update(kept)
+
+    def _gather_outputs(self, collected: dict) -> tuple[list[np.ndarray], dict]:
+        """``[R, D', A', ...]`` per array output from ``{(d, m): {output index: [R, ...]}}``, and
+        each logged metric state's total over all the call's micro-batches (``[R, 1, 1, ...]``)."""
         host = jax.device_get(collected)
-        rows = sorted({d for d, _ in host})
-        columns = sorted({m for _, m in host})
-        arrays = []
+        micro_batches = 1 + max(m for _, m in host) if host else 1
+        arrays, totals = [], {}
         for index in range(len(self.part.array_outputs)):
-            stacked = np.stack([np.stack([host[d, m][index] for m in columns]) for d in rows])
-            if self.settings.schedule.output_mode == "sum":
-                stacked = stacked.sum(axis=(0, 1), keepdims=True, dtype=stacked.dtype)
-            arrays.append(np.moveaxis(stacked, 2, 0))
-        return arrays
+            cells = sorted(key for key in host if index in host[key])
+            if index in self._reduced:
+                totals[index] = _HOST_REDUCE[self._reduced[index]](_stacked(host, index, cells), axis=(1, 2),
+                                                                   keepdims=True)
+                cells = [(d, m) for d, m in cells if self._wanted(d, m, micro_batches)]
+            stacked = _stacked(host, index, cells)
+            if self.settings.schedule.output_mode == "sum" and index not in self._whole:
+                stacked = stacked.sum(axis=(1, 2), keepdims=True, dtype=stacked.dtype)
+            arrays.append(stacked)
+        return arrays, totals
 
     # --- training ----------------------------------------------------------------------------
     def _train(self, state, inputs, hyper, key):
@@ -187,12 +210,11 @@ class MultiIpuProgram:
                         scalers[k]["scale"])
                     self._send_back(received_cts, m, cotangents)
                     continue
-                if outputs and self._wanted(d, m, schedule.accumulation):
-                    collected.setdefault((d, m), {}).update(outputs)
+                self._collect(collected, outputs, d, m, schedule.accumulation)
             self._update(params, opt, accs, hypers, keys, scalers, d)
         new_state = {"params": self._owned_params(params), "buffers": _merge(buffers),
                      "opt": self._merged_opt(opt), "scaler": scalers[0] if dynamic else state["scaler"]}
-        return new_state, self._gather_outputs(collected)
+        return new_state, *self._gather_outputs(collected)
 
     def _update(self, params, opt, accs, hypers, keys, scalers, d: int) -> None:
         """Every stage's optimizer step, in place of the lists it is given. A stage owning a tied
@@ -238,9 +260,8 @@ class MultiIpuProgram:
             sent, outputs, buffers[k] = stages[k].programs["infer"](
                 params[k], buffers[k], received.pop((k, d), {}), user[k], keys[k], stages[k].index(d))
             self._send(sent, d, received)
-            if outputs and self._wanted(d, 0, 1):
-                collected.setdefault((d, 0), {}).update(outputs)
-        return {"params": self._owned_params(params), "buffers": _merge(buffers)}, self._gather_outputs(collected)
+            self._collect(collected, outputs, d, 0, 1)
+        return {"params": self._owned_params(params), "buffers": _merge(buffers)}, *self._gather_outputs(collected)
 
 
 def multi_ipu_program(executor) -> MultiIpuProgram | None:

@@ -67,23 +67,6 @@ def _check_stage_counts(part: Partition, schedule: Schedule, training: bool, pip
                     f"{schedule.device_iterations}.)")
 
 
-def check_metric_states(program, schedule: Schedule) -> None:
-    """Metric states and appended tensors come from every micro-batch's outputs, so all must
-    return."""
-    metrics = sorted({c.state.metric for c in program.logs if c.state is not None})
-    if metrics and schedule.output_mode != "all":
-        raise Error(f"the step updates torchmetrics objects ({', '.join(metrics)}) in a model split "
-                    "over IPUs, whose states are gathered from every micro-batch: use "
-                    "Options().outputMode(OutputMode.All), or update the metrics in a step that "
-                    "returns all outputs (validation/test), or use their functional forms")
-    lists = sorted({c.appended.where for c in program.logs if c.appended is not None})
-    if lists and schedule.output_mode != "all":
-        raise Error(f"the step appends to {', '.join(lists)} in a model split over IPUs, whose appended "
-                    "values are gathered from every micro-batch: use Options().outputMode(OutputMode.All), "
-                    "or append in a step that returns all outputs (validation/test), or log the value "
-                    "(self.log) instead")
-
-
 def _export(model, micro: tuple, training: bool, method: str | None, keywords: tuple = ()):
     target = model if method is None else capture.StepCall(model, method)
     with capture_modes(model, training, method):
@@ -110,7 +93,6 @@ def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, set
     if len(part.stages) == 1 and part.stages[0].ipu == 0:
         return None
     pipelined = staging.pipelined
-    check_metric_states(program, schedule)
     check_ipu_count(part.num_ipus * schedule.replicas, settings.auto_round_num_ipus)   # first, as PopTorch
     _check_stage_counts(part, schedule, training, pipelined)
     devices = ipu_devices(part.num_ipus, schedule.replicas)
@@ -157,6 +139,5 @@ def build(model: torch.nn.Module, program, micro: tuple, schedule: Schedule, set
          for leaf in part.output_leaves[:result_spec.num_leaves]], result_spec))
     log_names = tuple(c.name for c in program.logs if c.is_tensor)
     dtypes = [node.meta["val"].dtype for node in part.array_outputs]
-    metric_states = {c.name: c.state.reduction for c in program.logs if c.state is not None}
     return MultiIpuProgram(part, stages, multi, layout, dtypes, rule, usage,
-                           sorted(input_avals), log_names, metric_states)
+                           sorted(input_avals), log_names, program.call_totals())

@@ -70,3 +70,44 @@ def test_a_manual_optimization_step_too_large_for_its_ipu_raises_out_of_memory()
                          **QUIET)
     with pytest.raises(poptorch.OutOfMemoryError, match=r"Out of memory on 1 of 1 IPU\(s\) \(tiny"):
         trainer.fit(TinyGAN(), loader(gan_data(), 4))
+
+
+class LogsEpochValues(Regressor):
+    """Two IPUs; the step logs a mean and a maximum aggregated over the epoch."""
+
+    def __init__(self):
+        super().__init__()
+        poptorch.BeginBlock(self.net[2], "B2", ipu_id=1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        error = self.net(x) - y
+        loss = error.pow(2).mean()
+        self.log("loss", loss, on_step=True, on_epoch=True)
+        self.log("max_error", error.abs().max(), on_step=False, on_epoch=True, reduce_fx="max")
+        return loss
+
+
+@pytest.mark.parametrize("execution, replicas, mode", [("pipelined", 2, poptorch.OutputMode.Final),
+                                                       ("sharded", 1, poptorch.OutputMode.Sum)])
+def test_epoch_logs_of_a_split_step_cover_every_micro_batch(execution, replicas, mode):
+    """Each call runs 2 device iterations of 3 accumulated micro-batches: the epoch values
+    aggregate all 6 whatever the output mode returns, as Lightning on the CPU does batch by batch."""
+    torch.manual_seed(0)
+    ipu, cpu = LogsEpochValues(), LogsEpochValues()
+    cpu.load_state_dict(ipu.state_dict())
+    poptorch.removeBlocks(cpu)
+    data = dataset(48)
+    cpu_trainer = pl.Trainer(accelerator="cpu", max_epochs=1, accumulate_grad_batches=3, **QUIET)
+    cpu_trainer.fit(cpu, loader(data, 4 * replicas))
+    opts = poptorch.Options().deviceIterations(2).replicationFactor(replicas).outputMode(mode)
+    opts.Training.gradientAccumulation(3)
+    if execution == "sharded":
+        opts.setExecutionStrategy(poptorch.ShardedExecution())
+    trainer = pl.Trainer(accelerator="ipu", strategy=IPUStrategy(training_opts=opts), max_epochs=1, **QUIET)
+    trainer.fit(ipu, loader(data, 4))
+    assert_same_weights(ipu, cpu)
+    assert trainer.global_step == cpu_trainer.global_step == 4 // replicas
+    for name in ("loss_epoch", "loss_step", "max_error"):
+        torch.testing.assert_close(trainer.callback_metrics[name], cpu_trainer.callback_metrics[name],
+                                   rtol=1e-5, atol=1e-6, msg=name)
