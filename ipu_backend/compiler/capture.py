@@ -37,6 +37,7 @@ from ipu_backend.compiler import (
     loss_checks,
     metric_states,
     refused_calls,
+    region_blocks,
     transformer_modules,
 )
 from ipu_backend.compiler.custom_ops import NO_GRAD_UPDATE
@@ -324,6 +325,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         _Anchored.drop(exported)
     _refuse_mutated_constants(exported, type(module).__name__)
     _refuse_changes_through_detach(exported.graph_module)
+    region_blocks.annotate_regions(exported.graph_module)
     _detach_no_grad_regions(exported.graph_module)
     with without_treespec_deprecation():
         exported = (decompose or decompose_to_core_aten)(exported)
@@ -520,16 +522,18 @@ def _detach_no_grad_regions(graph_module: torch.fx.GraphModule) -> None:
             continue
         region = getattr(graph_module, node.args[1].target)
         operands = node.args[2:]
+        annotations = {"custom": node.meta["custom"]} if "custom" in node.meta else {}   # its block
         before = {}
         for operand in _changed_operands(region, operands):
             with graph.inserting_before(node):       # a copy: a later use of the operand reads the change
                 before[operand] = graph.call_function(torch.ops.aten.clone.default, (operand,))
-            before[operand].meta.update(val=operand.meta.get("val"))
+            before[operand].meta.update(val=operand.meta.get("val"), **annotations)
             later = [use for use in operand.users if order.get(use, -1) > order[node]]
             if later:
                 with graph.inserting_after(node):
                     after = graph.call_function(NO_GRAD_UPDATE, (before[operand], operand))
-                after.meta.update(val=operand.meta.get("val"), stack_trace=operand.meta.get("stack_trace"))
+                after.meta.update(val=operand.meta.get("val"), stack_trace=operand.meta.get("stack_trace"),
+                                  **annotations)
                 for use in later:
                     use.replace_input_with(operand, after)
         results = region.graph.output_node().args[0]
@@ -540,7 +544,7 @@ def _detach_no_grad_regions(graph_module: torch.fx.GraphModule) -> None:
                 kept = (graph.call_function(torch.ops.aten.detach.default, (user,)) if source is None else
                         graph.call_function(NO_GRAD_UPDATE, (source, user)))
             user.replace_all_uses_with(kept, delete_user_cb=lambda use: use is not kept)
-            kept.meta.update(val=user.meta.get("val"), stack_trace=user.meta.get("stack_trace"))
+            kept.meta.update(val=user.meta.get("val"), stack_trace=user.meta.get("stack_trace"), **annotations)
     graph_module.recompile()
 
 

@@ -256,3 +256,22 @@ def test_more_ipus_than_devices_share_them_more_replicas_and_unknown_strategies_
     opts = poptorch.Options().deviceIterations(4).setExecutionStrategy("phased")
     with pytest.raises(poptorch.Error, match="is not emulated"):
         poptorch.inferenceModel(TwoStages(), opts).compile(torch.randn(4, 6))
+
+
+class UnderNoGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+        poptorch.BeginBlock(self.a, "a", ipu_id=0)
+        poptorch.BeginBlock(self.b, "b", ipu_id=1)
+
+    def forward(self, x):
+        with torch.no_grad():
+            return self.b(self.a(x))
+
+
+def test_a_no_grad_region_over_several_blocks_is_refused():
+    """Its operations would all land in one stage."""
+    with pytest.raises(poptorch.Error, match=r"torch.no_grad\(\) or torch.enable_grad\(\) region starting at "
+                                             r".*test_blocks.py:\d+: .* holds operations of the blocks 'a', 'b'"):
+        poptorch.inferenceModel(UnderNoGrad(), poptorch.Options().deviceIterations(2))(torch.randn(4, 4))

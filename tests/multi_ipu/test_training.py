@@ -188,3 +188,39 @@ def test_non_tensor_arguments_are_constants_of_the_stage_programs():
     torch.testing.assert_close(out, expected_out, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
     assert_same_parameters(model, reference)
+
+
+class RegionsInALaterStage(torch.nn.Module):
+    """The second stage holds a cumulative batch norm and a running mean updated under no_grad,
+    both of which the capture records as grad-mode regions."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+        self.norm = torch.nn.BatchNorm1d(8, momentum=None)
+        self.register_buffer("running_out", torch.zeros(3))
+        poptorch.BeginBlock(self.norm, "B2", ipu_id=1)
+
+    def forward(self, x, y):
+        out = self.fc2(torch.tanh(self.norm(torch.relu(self.fc1(x)))))
+        with torch.no_grad():
+            self.running_out.mul_(0.5).add_(out.mean(0))
+        return out, torch.nn.functional.mse_loss(out, y)
+
+
+def test_grad_mode_regions_stay_in_their_stage():
+    torch.manual_seed(0)
+    model, reference = twins(RegionsInALaterStage())
+    poptorch.removeBlocks(reference)
+    x, y = regression_data(2 * 3 * 4)
+    expected_out, _ = torch_training(reference, torch.optim.SGD(reference.parameters(), lr=0.1), x, y,
+                                     accumulation=3, micro=4)
+    ipu = poptorch.trainingModel(model, options(poptorch.PipelinedExecution(), device_iterations=2),
+                                 torch.optim.SGD(model.parameters(), lr=0.1))
+    out, _ = ipu(x, y)
+    torch.testing.assert_close(out, expected_out, rtol=RTOL, atol=ATOL)
+    ipu.copyWeightsToHost()
+    assert_same_parameters(model, reference)
+    assert int(model.norm.num_batches_tracked) == 6
+    assert ipu.ipuPlacement() == {"fc1.weight": 0, "fc1.bias": 0, "norm.weight": 1, "norm.bias": 1,
+                                  "fc2.weight": 1, "fc2.bias": 1}
