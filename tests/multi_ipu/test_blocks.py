@@ -275,3 +275,17 @@ def test_a_no_grad_region_over_several_blocks_is_refused():
     with pytest.raises(poptorch.Error, match=r"torch.no_grad\(\) or torch.enable_grad\(\) region starting at "
                                              r".*test_blocks.py:\d+: .* holds operations of the blocks 'a', 'b'"):
         poptorch.inferenceModel(UnderNoGrad(), poptorch.Options().deviceIterations(2))(torch.randn(4, 4))
+
+
+def test_an_autocast_region_inside_a_block_stays_in_its_stage():
+    model = Chain()
+    poptorch.BeginBlock(model.l2, "late", ipu_id=1)
+
+    def forward(x):
+        h = model.l1(model.l0(x))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = model.l2(h)
+        return model.l3(h.float())
+
+    model.forward = forward
+    assert layer_ipus(model) == {"l0": (0, 0), "l1": (0, 0), "l2": (1, 1), "l3": (1, 1)}
