@@ -36,6 +36,7 @@ from ipu_backend.compiler import (
     loops,
     loss_checks,
     metric_states,
+    product_dtypes,
     refused_calls,
     region_blocks,
     transformer_modules,
@@ -325,6 +326,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         _Anchored.drop(exported)
     _refuse_mutated_constants(exported, type(module).__name__)
     _refuse_changes_through_detach(exported.graph_module)
+    product_dtypes.refuse_mixed_products(exported.graph_module)
     region_blocks.annotate_regions(exported.graph_module)
     _detach_no_grad_regions(exported.graph_module)
     with without_treespec_deprecation():

@@ -125,3 +125,33 @@ def test_master_weights_keep_updates_that_half_precision_would_lose(master_weigh
         torch.testing.assert_close(model.weight.float(), torch.full((4,), expected), rtol=0, atol=2 ** -11)
     else:
         assert torch.equal(model.weight, torch.ones(4).half())
+
+
+class HalfInto(torch.nn.Module):
+    """A float16 activation into float32 products: ``F.linear`` and a 1-D ``matmul`` (a dot)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 3)
+        self.vector = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return self.layer(x.half()) @ self.vector
+
+
+def test_products_of_mixed_dtypes_are_refused_as_torch_refuses_them():
+    x = torch.randn(4)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        HalfInto()(x)
+    with pytest.raises(poptorch.Error, match=r"aten.linear.default at .*test_precision.py:\d+: .*multiplies "
+                                             r"tensors of different dtypes \(float16, float32, float32\)"):
+        poptorch.inferenceModel(HalfInto())(x)
+
+
+def test_products_under_autocast_are_cast_and_compiled_as_torch_computes_them():
+    model = HalfInto()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(torch.randn(4, generator=torch.Generator().manual_seed(0)))
+        got = poptorch.inferenceModel(model)(torch.randn(4, generator=torch.Generator().manual_seed(0)))
+    assert got.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected)
