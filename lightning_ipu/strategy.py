@@ -745,7 +745,7 @@ class IPUStrategy(ParallelStrategy):
         torchmetrics object as itself, its state brought up to date by ``_metrics.update``);
         ``weights``: the size of each micro-batch the logged values come from, when they differ.
         Given the ``(processes, replicas per process)`` the values come from (training), each
-        process's in input order (micro-batch, replica), a tensor is logged once per
+        process's in input order (micro-batch, replica), a value is logged once per
         micro-batch returned, in order, its value reduced over the replicas: as the CPU's loop
         logs each batch, an ``on_epoch`` value is aggregated over every micro-batch, and the step
         value is the last one's. With several processes the values come from every process's
@@ -756,18 +756,14 @@ class IPUStrategy(ParallelStrategy):
             if call.state is not None or call.appended is not None:
                 continue
             if call.metric is not None:
-                value = metrics[call.metric]
-            elif call.is_tensor:
-                reduce_fx = call.kwargs.get("reduce_fx", "mean")
-                values = logged[call.name].reshape(1, -1) if replicas is None else _outputs.per_micro_batch(
-                    logged[call.name], *replicas)
-                for value in values:
-                    module.log(call.name, _outputs.reduce_logged(call.name, value, reduce_fx, weights),
-                               **{**call.kwargs, **synced})
+                module.log(call.name, metrics[call.metric], **{**call.kwargs, **synced})
                 continue
-            else:
-                value = call.constant
-            module.log(call.name, value, **{**call.kwargs, **synced})
+            reduce_fx = call.kwargs.get("reduce_fx", "mean")
+            values = logged[call.name].reshape(1, -1) if replicas is None else _outputs.per_micro_batch(
+                logged[call.name], *replicas)
+            for value in values:
+                module.log(call.name, _outputs.reduce_logged(call.name, value, reduce_fx, weights),
+                           **{**call.kwargs, **synced})
 
     # --- checkpoints -------------------------------------------------------------------------
     def _weights_to_host(self) -> None:

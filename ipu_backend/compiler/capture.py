@@ -9,7 +9,6 @@ import os
 import types
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch._decomp
@@ -63,22 +62,21 @@ def without_treespec_deprecation():
 
 @dataclass(frozen=True)
 class LogCall:
-    """One ``self.log`` made by a step: its name, keyword arguments and, for a Python number,
-    its constant value, for a torchmetrics object its path in the module (tensor values become
-    outputs of the program). A torchmetrics state the step updated is logged as a tensor with
-    its ``state`` (see ``metric_states``), a tensor it appended to a list the module holds with
-    its ``appended`` (see ``list_appends``)."""
+    """One ``self.log`` made by a step: its name, keyword arguments and, for a torchmetrics
+    object, its path in the module (tensor values become outputs of the program, Python numbers
+    too). A torchmetrics state the step updated is logged as a tensor with its ``state`` (see
+    ``metric_states``), a tensor it appended to a list the module holds with its ``appended``
+    (see ``list_appends``)."""
 
     name: str
     kwargs: dict = field(default_factory=dict)
-    constant: Any = None
     metric: str | None = None
     state: metric_states.MetricState | None = None
     appended: list_appends.ListAppend | None = None
 
     @property
     def is_tensor(self) -> bool:
-        return self.constant is None and self.metric is None
+        return self.metric is None
 
     @property
     def aggregated_over_epoch(self) -> bool:
@@ -105,7 +103,9 @@ class _LogRecorder:
             self.calls.append(LogCall(name, kwargs))
             self.tensors.append(value)
         elif isinstance(value, (int, float, bool)):
-            self.calls.append(LogCall(name, kwargs, constant=value))
+            # logged per micro-batch and replica as a tensor would be (a sum counts each)
+            self.calls.append(LogCall(name, kwargs))
+            self.tensors.append(torch.full((), value))
         elif isinstance(value, (torch.SymInt, torch.SymFloat)):     # a tensor's .item()
             self.calls.append(LogCall(name, kwargs))
             self.tensors.append(logged_items.as_tensor(value))

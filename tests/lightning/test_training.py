@@ -90,6 +90,31 @@ def test_accumulate_grad_batches_and_on_before_batch_transfer_give_the_cpu_numbe
                                torch.stack([out["loss"] for out in cpu_rec.outputs[1::2]]), rtol=1e-5, atol=1e-6)
 
 
+
+class CountsSamples(Regressor):
+    """Logs Python numbers summed over the epoch: a sample count and a batch count."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("samples", float(batch[0].shape[0]), on_step=False, on_epoch=True, reduce_fx="sum")
+        self.log("batches", 1, on_step=False, on_epoch=True, reduce_fx="sum")
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_samples", batch[0].shape[0], reduce_fx="sum")
+
+
+def test_python_numbers_logged_as_sums_count_every_micro_batch():
+    """An IPU batch of 2 device iterations x 2 accumulated micro-batches is 4 CPU batches."""
+    ipu, cpu = twins(CountsSamples)
+    strategy = IPUStrategy(training_opts=ipu_backend.Options(device_iterations=2, gradient_accumulation=2),
+                           inference_opts=ipu_backend.Options(device_iterations=2))
+    (ipu_trainer, _), (cpu_trainer, _) = fit_pair(
+        ipu, cpu, 4, 4, data=dataset(48), ipu_args={"strategy": strategy},
+        max_epochs=1, accumulate_grad_batches=2)
+    assert int(cpu_trainer.callback_metrics["samples"]) == 48 and int(cpu_trainer.callback_metrics["batches"]) == 12
+    assert_same_metrics(ipu_trainer.callback_metrics, cpu_trainer.callback_metrics,
+                        ["samples", "batches", "val_samples"])
+
 def test_accumulation_changed_during_the_fit_is_refused():
     """Lightning's GradientAccumulationScheduler sets the Trainer's flag at each epoch start; the
     IPUs' accumulation is fixed for the fit, so a change would silently train otherwise."""
