@@ -289,6 +289,15 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
             exported = torch.export.export(target, tuple(args), kwargs or None, strict=False)
     except GuardOnDataDependentSymNode as error:
         where = traceback_location(error.__traceback__) or "unknown source line"
+        op = _op_implementation(error.__traceback__)
+        if op == "one_hot":
+            raise Error(f"F.one_hot at {where} has no num_classes: it would take the class count from the "
+                        "largest value of its input, which a program traced once cannot read. Give num_classes "
+                        "(OneHot num classes must be specified and must be constant.)") from error
+        if op is not None:
+            raise Error(f"{op} at {where} computes the shape of its result from the values of a tensor, a "
+                        "shape that a program traced once cannot have: give the op the sizes it would read "
+                        "(its count or size arguments), or compute a fixed-size result and mask it") from error
         raise Error(
             f"the program branches on the value of a tensor at {where}. A compiled program is "
             "traced once, so Python control flow cannot depend on tensor data. Use torch.where "
@@ -598,6 +607,17 @@ def _raised_by_torch(tb) -> bool:
     return os.path.realpath(tb.tb_frame.f_code.co_filename).startswith(_TORCH_DIR)
 
 
+def _op_implementation(tb) -> str | None:
+    """The torch op whose implementation (a decomposition, reference or shape function) ``tb``
+    passed through last, by name, or None: an op, not the user's code, read a tensor's value."""
+    name = None
+    while tb is not None:
+        if os.path.realpath(tb.tb_frame.f_code.co_filename).startswith(_OP_IMPLEMENTATIONS):
+            name = tb.tb_frame.f_code.co_name
+        tb = tb.tb_next
+    return name
+
+
 def _holds_packed_sequence(tb) -> bool:
     """Whether a frame of ``tb`` held a ``PackedSequence`` (torch's RNNs fail on its fake
     batch sizes with errors that do not say so)."""
@@ -609,6 +629,8 @@ def _holds_packed_sequence(tb) -> bool:
 
 
 _TORCH_DIR = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
+_OP_IMPLEMENTATIONS = tuple(os.path.join(_TORCH_DIR, path) for path in (
+    "_decomp" + os.sep, "_refs" + os.sep, "_meta_registrations.py", "_prims" + os.sep))
 
 
 def decompose_to_core_aten(exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

@@ -201,6 +201,31 @@ def test_data_dependent_branch_explains_and_points_to_torch_cond():
     assert "torch.cond" in message and re.search(r"branches on the value of a tensor", message)
 
 
+class DataSizedResults(torch.nn.Module):
+    """Results whose sizes torch would read from the values of ``x``."""
+
+    def __init__(self, op: str):
+        super().__init__()
+        self.op = op
+
+    def forward(self, x):
+        if self.op == "one_hot":
+            return F.one_hot(x)  # one-hot-line
+        return torch.repeat_interleave(x)  # repeat-line
+
+
+@pytest.mark.parametrize("op, line, message", [
+    ("one_hot", "# one-hot-line", r"^F.one_hot at .* has no num_classes: .* Give num_classes \(OneHot num classes "
+                                  r"must be specified and must be constant.\)"),
+    ("repeat_interleave", "# repeat-line", r"^torch.repeat_interleave at .* repeats by a tensor without "
+                                           r"output_size: .* Pass output_size=")])
+def test_results_sized_by_tensor_values_are_refused_naming_the_op_and_its_size_argument(op, line, message):
+    with pytest.raises(Error, match=message) as info:
+        program = compile_module(DataSizedResults(op), (torch.tensor([1, 0, 3]),))
+        jax.jit(program.logged_fn)({}, {}, (to_jax(torch.tensor([1, 0, 3])),), jax.random.key(0))
+    assert f"{THIS_FILE}:{line_of(THIS_FILE, line)}" in str(info.value)
+
+
 def test_shape_mistake_names_the_shapes_and_the_user_line():
     class Head(torch.nn.Module):
         def __init__(self):

@@ -298,8 +298,11 @@ def embedding(ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sp
 
 @lowering(aten.repeat_interleave.Tensor)
 def repeat_interleave(ctx, repeats, output_size=None):
-    """``i`` repeated ``repeats[i]`` times. The length must be static: torch.export only keeps
-    this op when ``output_size`` is given."""
+    """``i`` repeated ``repeats[i]`` times. The length must be static: ``output_size`` gives it."""
+    if not isinstance(ctx.out.shape[0], int):
+        raise Error(f"torch.repeat_interleave at {ctx.location()} repeats by a tensor without output_size: "
+                    "the result's length would be the sum of the repeats' values, which a compiled program "
+                    "cannot have. Pass output_size=<the sum of repeats>")
     return jnp.repeat(jnp.arange(repeats.shape[0]), repeats, total_repeat_length=ctx.out.shape[0])
 
 
