@@ -222,6 +222,12 @@ CASES = [
                           torch.tensor([0.0, -1.0, 2.0, 0.0, -1.5, 1.0]).to(dtype)),
            FLOATS, ops=(aten.softplus.default, aten.sinc.default, aten.atan2.default, aten.hardsigmoid.default,
                         aten.hardswish.default, aten.pow.Tensor_Tensor, aten.xlogy.Tensor)),
+    OpCase("gradients_at_poles",
+           # torch's derivatives where the function has none: hypot's at (0, 0) is NaN (0 / 0).
+           lambda x, y: torch.hypot(x, y),
+           lambda dtype: (torch.tensor([0.0, -0.0, 3.0, float("inf"), 0.0]).to(dtype),
+                          torch.tensor([0.0, 0.0, 4.0, 1.0, -2.0]).to(dtype)),
+           ops=(aten.hypot.default,)),
     OpCase("products_with_a_mask",
            # x * False is x * 0: -0.0 for a negative x (1 / it is -inf), NaN for an infinite x.
            lambda x: (1 / (x * (x.abs() > 1)), (x / 0) * (x > 0), torch.atan2(x * (x > 5), -x.abs())),

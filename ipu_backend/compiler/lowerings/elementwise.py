@@ -386,7 +386,16 @@ def sinc(ctx, x):
 @lowering(aten.hypot.default)
 def hypot(ctx, x, y):
     x, y = operands(ctx, x, y)
+    return _hypot(x, y)
+
+
+@jax.custom_jvp
+def _hypot(x, y):
     return jnp.hypot(x, y)
+
+
+# torch's derivative, ``grad * x / result``: NaN at (0, 0), where JAX's picks a finite subgradient.
+_hypot.defjvps(lambda dx, result, x, y: dx * x / result, lambda dy, result, x, y: dy * y / result)
 
 
 @lowering(aten.copysign.Tensor, aten.copysign.Scalar)
