@@ -223,11 +223,16 @@ CASES = [
            FLOATS, ops=(aten.softplus.default, aten.sinc.default, aten.atan2.default, aten.hardsigmoid.default,
                         aten.hardswish.default, aten.pow.Tensor_Tensor, aten.xlogy.Tensor)),
     OpCase("gradients_at_poles",
-           # torch's derivatives where the function has none: hypot's at (0, 0) is NaN (0 / 0).
-           lambda x, y: torch.hypot(x, y),
+           # torch's derivatives where the function has none: hypot's at (0, 0) is NaN (0 / 0);
+           # lgamma's at ±0 is digamma's ∓inf, and digamma's, trigamma computed by reflection below
+           # 1/2, is finite at negative integers (sin(pi x) is not 0 in float32). One input per op: a
+           # NaN gradient of one would hide the other's.
+           lambda x, y, z, w: (torch.hypot(x, y), torch.lgamma(z), torch.digamma(w)),
            lambda dtype: (torch.tensor([0.0, -0.0, 3.0, float("inf"), 0.0]).to(dtype),
-                          torch.tensor([0.0, 0.0, 4.0, 1.0, -2.0]).to(dtype)),
-           ops=(aten.hypot.default,)),
+                          torch.tensor([0.0, 0.0, 4.0, 1.0, -2.0]).to(dtype),
+                          *(torch.tensor([0.0, -0.0, -1.0, -2.0, -100.0, -2.5, -10.7, 1e-30, float("inf"),
+                                          -float("inf")]).to(dtype) for _ in range(2))),
+           ops=(aten.hypot.default, aten.lgamma.default, aten.digamma.default)),
     OpCase("products_with_a_mask",
            # x * False is x * 0: -0.0 for a negative x (1 / it is -inf), NaN for an infinite x.
            lambda x: (1 / (x * (x.abs() > 1)), (x / 0) * (x > 0), torch.atan2(x * (x > 5), -x.abs())),

@@ -296,9 +296,41 @@ def round_decimals(ctx, x, *, decimals=0):
 
 # Float math functions ---------------------------------------------------------------------------
 
+@jax.custom_jvp
 def _digamma(x):
-    """torch's digamma(0) is -inf (JAX gives NaN)."""
-    return jnp.where(x == 0, -jnp.inf, lax.digamma(x))
+    """torch's digamma(±0) is ∓inf (JAX gives NaN)."""
+    return jnp.where(x == 0, jnp.copysign(jnp.inf, -x), lax.digamma(x))
+
+
+def _trigamma(x):
+    """torch's trigamma (digamma's derivative), computed its way: reflected below 1/2, six steps
+    of the recurrence, then the asymptotic series. ``lax.polygamma(1, x)`` is wrong for most
+    negative ``x`` and infinite at negative integers, where torch's reflection gives large finite
+    values (``sin(pi x)`` is not 0 in float32)."""
+    pi = jnp.asarray(np.pi, x.dtype)
+    reflected = x < 0.5
+    sin_pi_x = jnp.sin(pi * x)
+    result = jnp.where(reflected, -(pi * pi) / (sin_pi_x * sin_pi_x), 0)
+    x = jnp.where(reflected, 1 - x, x)
+    for _ in range(6):
+        result = result + 1 / (x * x)
+        x = x + 1
+    inverse_square = 1 / (x * x)
+    series = 1 / 6 - inverse_square * (1 / 30 - inverse_square / 42)
+    result = result + (1 + 1 / (2 * x) + inverse_square * series) / x
+    return jnp.where(reflected, -result, result)
+
+
+_digamma.defjvps(lambda dx, result, x: dx * _trigamma(x))
+
+
+@jax.custom_jvp
+def _lgamma(x):
+    return lax.lgamma(x)
+
+
+# torch's derivative, ``grad * digamma(x)``: ∓inf at ±0, where lax.lgamma's is NaN.
+_lgamma.defjvps(lambda dx, result, x: dx * _digamma(x))
 
 
 _FLOAT_MATH = {
@@ -328,7 +360,7 @@ _FLOAT_MATH = {
     aten.erf.default: lax.erf,
     aten.erfc.default: lax.erfc,
     aten.erfinv.default: lax.erf_inv,
-    aten.lgamma.default: lax.lgamma,
+    aten.lgamma.default: _lgamma,
     aten.digamma.default: _digamma,
 }
 
