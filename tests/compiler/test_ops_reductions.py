@@ -118,8 +118,15 @@ STATISTICS_CASES = [
            ops=(aten.var.correction,)),
     OpCase("var_population_keepdim_and_std", lambda x: (x.var(dim=None, correction=0, keepdim=True), x.std()),
            randn((3, 4)), ops=(aten.var.correction,)),
-    OpCase("var_too_few_degrees_of_freedom", lambda x: (x.var(1, correction=3), x.var(1, correction=2)),
-           randn((2, 2)), grad=False, ops=(aten.var.correction,)),
+    # Gradients too, one input each (a NaN gradient would hide the others): torch's var_backward scales
+    # by 2 / (n - correction), n the listed dims' sizes (1 for []), so inf at n = correction and
+    # negative beyond; with no dims listed, grad * inf (NaN where x is the mean).
+    OpCase("var_too_few_degrees_of_freedom",
+           lambda *x: (x[0].var(1, correction=3), x[1].var(1, correction=2), x[2].var(correction=4),
+                       x[3].var(correction=5), x[4].var([], correction=0), x[5].std(1, correction=3),
+                       *torch.std_mean(x[6], 1, correction=2), *torch.var_mean(x[7], 0, correction=3)),
+           given(*8 * [[[1.0, 3.0], [2.0, 2.0]]]),
+           ops=(aten.var.correction, aten.std.correction, aten.std_mean.correction, aten.var_mean.correction)),
     OpCase("var_mean_and_std_mean", lambda x: (*torch.var_mean(x, (0, 2), correction=0),
                                                *torch.std_mean(x, -1, keepdim=True)),
            randn((3, 4, 2)), ops=(aten.var_mean.correction,)),

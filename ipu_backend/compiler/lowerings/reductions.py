@@ -182,15 +182,61 @@ def argmin(ctx, x, dim=None, keepdim=False):
 
 
 def _var_and_mean(x, dim, correction, keepdim):
-    """Two-pass variance divided by ``max(n - correction, 0)`` (so inf or NaN when that is 0)."""
+    """The variance and the mean over ``dim``, the variance differentiated as torch does
+    (:func:`_torch_variance_slope`)."""
     axes = _axes(dim, x.ndim)
     wide = _widen(x)
+    correction = 1 if correction is None else correction
+    slope = _torch_variance_slope(x.shape, dim, axes, correction)
+    if slope is None:
+        var = _variance(wide, axes, correction, keepdim)
+    else:
+        var = _variance_with_slope(wide, axes, correction, keepdim, slope)
     mean_kept = jnp.mean(wide, axis=axes, keepdims=True)
-    count = math.prod(x.shape[a] for a in axes)
-    dof = max(count - (1 if correction is None else correction), 0)
-    var = jnp.sum(jnp.square(wide - mean_kept), axis=axes, keepdims=keepdim) / dof
     mean_out = mean_kept if keepdim else jnp.squeeze(mean_kept, axes)
     return var.astype(x.dtype), mean_out.astype(x.dtype)
+
+
+def _variance(x, axes, correction, keepdim):
+    """Two-pass variance divided by ``max(n - correction, 0)`` (so inf or NaN when that is 0)."""
+    mean_kept = jnp.mean(x, axis=axes, keepdims=True)
+    count = math.prod(x.shape[a] for a in axes)
+    return jnp.sum(jnp.square(x - mean_kept), axis=axes, keepdims=keepdim) / max(count - correction, 0)
+
+
+def _torch_variance_slope(shape, dim, axes, correction):
+    """torch's ``var_backward`` as ``slope(x, mean)``, d var / d x, where it is not the variance's
+    own derivative, else None. Over every element with no dims listed (or of a 0-d tensor) torch
+    scales by ``2 / (n - correction)``, and where that divisor is not positive takes NaN where ``x``
+    equals the mean, inf elsewhere. With dims listed, ``n`` is the product of their sizes (1 for an
+    empty list, which still reduces every element), and the scale is used as it is: infinite for a
+    correction of ``n``, negative beyond it."""
+    count = math.prod(shape[a] for a in axes)
+    if dim is None or not shape:
+        if count > correction:
+            return None
+        return lambda x, mean: jnp.where(x == mean, jnp.nan, jnp.inf)
+    listed = math.prod(shape[d] for d in dim)
+    if listed == count and count > correction:
+        return None
+    scale = math.inf if listed == correction else 2 / (listed - correction)
+    return lambda x, mean: scale * (x - mean)
+
+
+def _variance_with_slope(x, axes, correction, keepdim, slope):
+    """:func:`_variance`, whose derivative is ``slope(x, mean)``."""
+
+    @jax.custom_jvp
+    def variance(v):
+        return _variance(v, axes, correction, keepdim)
+
+    @variance.defjvp
+    def variance_jvp(primals, tangents):
+        (v,), (tangent,) = primals, tangents
+        mean_kept = jnp.mean(v, axis=axes, keepdims=True)
+        return variance(v), jnp.sum(slope(v, mean_kept) * tangent, axis=axes, keepdims=keepdim)
+
+    return variance(x)
 
 
 @lowering(aten.var.correction)
