@@ -172,6 +172,10 @@ SCAN_CASES = [
            (torch.float32, torch.float16), ops=(aten.cumprod.default,)),
     OpCase("logcumsumexp", lambda x: x.logcumsumexp(0), randn((6, 3)), (torch.float32, torch.bfloat16),
            ops=(aten.logcumsumexp.default,)),
+    # torch's gradient is NaN at +inf and at a leading -inf, 0 after a +inf, finite before it.
+    OpCase("logcumsumexp_infinities", lambda x: x.logcumsumexp(1),
+           given([[1.0, INF, 2.0, 0.5], [-INF, -INF, 1.0, -INF], [-INF, 0.0, -INF, 2.0], [0.5, -INF, 3.0, INF]]),
+           ops=(aten.logcumsumexp.default,)),
     OpCase("cummax_cummin_last_tie_index", lambda x: (*x.cummax(1), *x.cummin(0)), ties((6, 7)),
            ops=(aten.cummax.default, aten.cummin.default)),
     OpCase("cummax_cummin_nan", lambda x: (*x.cummax(0), *x.cummin(0)),
