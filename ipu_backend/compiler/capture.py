@@ -715,7 +715,8 @@ _KEPT_WHOLE = (torch.ops.aten.detach.default, torch.ops.aten.std.correction, tor
                torch.ops.aten.linalg_solve.default, torch.ops.aten.linalg_inv.default, torch.ops.aten.inverse.default,
                torch.ops.aten.linalg_cholesky.default, torch.ops.aten.softplus.default, torch.ops.aten.sinc.default,
                torch.ops.aten._euclidean_dist.default, torch.ops.aten.hardswish.default,
-               torch.ops.aten.hardsigmoid.default, torch.ops.aten.xlogy.Tensor)
+               torch.ops.aten.hardsigmoid.default, torch.ops.aten.xlogy.Tensor,
+               torch.ops.aten.cosine_similarity.default)
 """Ops core ATen decomposes whose decomposition differentiates otherwise, or drops a check:
 ``detach`` becomes a plain ``alias``, through which gradients would flow; ``std`` becomes
 ``sqrt(var)``, whose gradient is NaN where the deviation is 0 (constant rows, padding), where
@@ -723,7 +724,8 @@ torch's is 0; ``softplus`` and ``sinc`` become a ``where`` whose untaken branch 
 gradients (``0 * inf``) where torch's are finite, ``_euclidean_dist`` (``cdist``'s matmul form) a
 square root whose gradient is NaN at a zero distance, where torch's is 0, ``xlogy`` a product
 whose gradient is NaN at ``x = 0, y = 0``, ``hardswish`` and ``hardsigmoid`` clamps whose gradients
-at ±3 are not torch's; ``linalg.solve``, ``inv`` and ``cholesky``
+at ±3 are not torch's, ``cosine_similarity`` a clamp of the norms at ``eps``, which torch makes without
+autograd (the clamp's gradient would be 0 below ``eps``); ``linalg.solve``, ``inv`` and ``cholesky``
 become their ``_ex`` variants, whose check of a singular input (``_linalg_check_errors``) export
 drops."""
 

@@ -203,6 +203,15 @@ NORM_CASES = [
            randn((3, 4)), (torch.float16,), ops=(aten.linalg_vector_norm.default,)),
     OpCase("normalize", lambda x: F.normalize(x, dim=1), randn((4, 3)),
            ops=(aten.linalg_vector_norm.default,)),
+    # torch floors the norms at eps without autograd: below eps (a row of norm 0.1, a zero row) the
+    # gradient is the unfloored norm's, where a clamp's would be 0. Broadcast rows, and int with float.
+    OpCase("cosine_similarity_norms_below_eps",
+           lambda a, b, c, d, e: (F.cosine_similarity(a, b, eps=0.5), F.cosine_similarity(c, d, -1),
+                                  F.cosine_similarity(e, torch.tensor([[1, 0, 2]]))),
+           lambda dtype: (torch.tensor([[0.1, 0.0, 0.0], [1.0, 2.0, 3.0], [0.0, 0.0, 0.0]], dtype=dtype),
+                          torch.tensor([[0.2, 0.1, 0.0], [-1.0, 2.0, 0.0], [1.0, 1.0, 0.0]], dtype=dtype),
+                          *randn((3, 1, 4), (5, 4), (2, 3))(dtype)),
+           FLOATS, ops=(aten.cosine_similarity.default,)),
     OpCase("dist_broadcast_ties", lambda x, y: tuple(torch.dist(x, y, p) for p in (2, 1, 3, 0.5, INF)),
            ties((3, 4), (4,)), ops=(aten.dist.default,)),
     # Small integers: zero distances, zero differences and ties for the largest difference, where

@@ -490,6 +490,34 @@ def dist(ctx, x, y, p=2):
     return jnp.squeeze(_differentiable_norm(difference, float(p), axes, _norm_slope), axes)
 
 
+@lowering(aten.cosine_similarity.default)
+def cosine_similarity(ctx, x1, x2, dim=1, eps=1e-8):
+    """torch's steps, kept whole (``capture._KEPT_WHOLE``): integers as the result's dtype, both
+    broadcast, each divided by its 2-norm along ``dim`` floored at ``eps``, then the products summed,
+    each step rounded to its dtype as the decomposed ops would be. torch floors the norms in place
+    without autograd, so their gradient is the unfloored norm's (:func:`_floored`); decomposed, the
+    floor is a clamp, whose gradient is 0 where a norm is below ``eps``."""
+    out = _out_dtype(ctx)
+    x1, x2 = jnp.broadcast_arrays(*(x if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(out) for x in (x1, x2)))
+    axis = dim % x1.ndim
+    product = (_widen(_over_floored_norm(x1, axis, eps)) * _widen(_over_floored_norm(x2, axis, eps))).astype(out)
+    return jnp.sum(_widen(product), axis=axis).astype(out)
+
+
+def _over_floored_norm(x, axis, eps):
+    norm = _differentiable_norm(_widen(x), 2.0, (axis,), _norm_slope).astype(x.dtype)
+    return (_widen(x) / _widen(_floored(norm, jnp.asarray(eps, x.dtype)))).astype(x.dtype)
+
+
+@jax.custom_jvp
+def _floored(x, floor):
+    return jnp.maximum(x, floor)
+
+
+# Differentiated as ``x`` itself: torch's floor of the norms is made under no_grad.
+_floored.defjvps(lambda dx, result, x, floor: dx, None)
+
+
 @lowering(aten._cdist_forward.default)
 def cdist(ctx, x1, x2, p, compute_mode=None):
     """p-norm distances between the rows of ``x1`` (..., P, M) and ``x2`` (..., R, M). The matmul
