@@ -64,12 +64,14 @@ def without_treespec_deprecation():
 class LogCall:
     """One ``self.log`` made by a step: its name, keyword arguments and, for a torchmetrics
     object, its path in the module (tensor values become outputs of the program, Python numbers
-    too). A torchmetrics state the step updated is logged as a tensor with its ``state`` (see
-    ``metric_states``), a tensor it appended to a list the module holds with its ``appended``
-    (see ``list_appends``)."""
+    too, and a number's value at capture is kept as ``constant``: captures that log different
+    numbers are different programs). A torchmetrics state the step updated is logged as a tensor
+    with its ``state`` (see ``metric_states``), a tensor it appended to a list the module holds
+    with its ``appended`` (see ``list_appends``)."""
 
     name: str
     kwargs: dict = field(default_factory=dict)
+    constant: int | float | bool | None = None
     metric: str | None = None
     state: metric_states.MetricState | None = None
     appended: list_appends.ListAppend | None = None
@@ -104,7 +106,7 @@ class _LogRecorder:
             self.tensors.append(value)
         elif isinstance(value, (int, float, bool)):
             # logged per micro-batch and replica as a tensor would be (a sum counts each)
-            self.calls.append(LogCall(name, kwargs))
+            self.calls.append(LogCall(name, kwargs, constant=value))
             self.tensors.append(torch.full((), value))
         elif isinstance(value, (torch.SymInt, torch.SymFloat)):     # a tensor's .item()
             self.calls.append(LogCall(name, kwargs))

@@ -120,13 +120,14 @@ def test_training_step_capture_returns_logged_values_as_outputs():
     calls = {call.name: call for call in program.logs}
     assert calls["train_loss"].kwargs == {"prog_bar": True, "on_step": True}
     assert calls["train_loss"].is_tensor and calls["abs_mean"].is_tensor
-    assert calls["lr_const"].constant == 0.5 and not calls["lr_const"].is_tensor
+    assert calls["lr_const"].constant == 0.5 and calls["lr_const"].is_tensor      # an output too
     outputs, _, logged = run(program, module, batch, 0)
     x, y = batch
     expected_loss = F.mse_loss(module.layer(x), y)
     assert_close(outputs["loss"], expected_loss, 1e-5, 1e-6)
     assert_close(logged["train_loss"], expected_loss, 1e-5, 1e-6)
     assert_close(logged["abs_mean"], module.layer(x).abs().mean(), 1e-5, 1e-6)
+    assert float(logged["lr_const"]) == 0.5
     assert "log" not in vars(module), "the log recorder must be removed after capture"
 
 
