@@ -123,7 +123,7 @@ def test_the_key_covers_what_the_decomposition_reads():
     assert keys_of(Scaled(), (x.t().contiguous().t(),)) != key, "other strides"
     assert keys_of(Scaled(width=4).requires_grad_(False), (x,)) != key, "frozen weights"
     assert keys_of(ScaledElsewhere(), (x,)) != key, "other source lines"
-    assert keys_of(Scaled(), (x.double(),)) != key, "other dtypes"
+    assert keys_of(Scaled().double(), (x.double(),)) != key, "other dtypes"
     q = torch.randn(1, 2, 4, 8)
     attention = keys_of(Attention(), (q, q, q))
     with lowering_options(attention="decomposed"):
