@@ -9,9 +9,11 @@ left in ``.grad``, clipped again as the Trainer asks. On the CPU the averaged we
 more, and the same happens here.
 
 On IPUs the epoch's training steps run as a forward-only program of the training step, in the
-modes Lightning left (batch norms training), over each host call's micro-batches in turn. After
-each call ``.grad`` holds the last training call's gradients as its update took them, clipped as
-they were, what the CPU's ``.grad`` holds then; the last batch's step is torch's, on the host.
+modes Lightning left (batch norms training), over each host call's micro-batches in turn. The
+first such call puts the last training call's gradients in ``.grad`` as its update took them,
+clipped as they were, what the CPU's ``.grad`` holds then, unless a validation ran in between:
+Lightning releases the gradients before it (``on_validation_model_zero_grad``), and the CPU's
+last step then leaves the weights alone. The last batch's step is torch's, on the host.
 """
 
 import torch

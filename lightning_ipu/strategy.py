@@ -167,6 +167,7 @@ class IPUStrategy(ParallelStrategy):
         self._gradient_clipping: seam.GradientClipping | None = None
         self._shown_gradients: _gradient_hooks.ShownGradients | None = None
         self._keep_last_gradients = False
+        self._last_gradients_pending = False   # the last training call's, not yet in .grad nor released
         """Whether training calls keep their gradients for an epoch without backward."""
         self._trainer = None
         self._accumulate_grad_batches: int | None = None
@@ -486,6 +487,14 @@ class IPUStrategy(ParallelStrategy):
             _loop_progress.shift_batches_that_stepped(self._trainer, -self._shifted_batch_start)
             self._shifted_batch_start = None
 
+    @override
+    def on_validation_start(self) -> None:
+        """A validation inside the fit follows ``on_validation_model_zero_grad``, which released
+        the CPU's ``.grad``: the last training call's gradients no longer stand there."""
+        super().on_validation_start()
+        if self._trainer.state.fn == TrainerFn.FITTING:
+            self._last_gradients_pending = False
+
     # --- steps -------------------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -505,6 +514,7 @@ class IPUStrategy(ParallelStrategy):
             _loop_progress.count_extra_optimizer_steps(self._trainer, iterations - 1, iterations - 1)
             if self._shown_gradients is not None:
                 self._shown_gradients.arrived(self._executors["training_step"].gradients())
+            self._last_gradients_pending = self._keep_last_gradients
         else:
             self._after_manual_step(self._executors["training_step"].last_events, iterations)
         return output
@@ -518,7 +528,9 @@ class IPUStrategy(ParallelStrategy):
                 "training_step", False)
         with self.precision_plugin.train_step_context():
             output = self._run("training_step", args, kwargs, self._executors[key])
-        _skipped_backward.leave_last_gradients(self.lightning_module, self._executors["training_step"].gradients())
+        if self._last_gradients_pending or not self._keep_last_gradients:     # (refused when not kept)
+            _skipped_backward.leave_last_gradients(self.lightning_module, self._executors["training_step"].gradients())
+            self._last_gradients_pending = False
         self.precision_plugin.clip_on_host(self.optimizers[0])
         return output
 

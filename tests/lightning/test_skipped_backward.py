@@ -25,7 +25,8 @@ class Normalized(Regressor):
         self.seen = []
 
     def on_before_optimizer_step(self, optimizer):
-        self.seen.append(self.net[0].weight.grad.clone())
+        grad = self.net[0].weight.grad
+        self.seen.append(None if grad is None else grad.clone())
 
 
 class ManualNormalized(Normalized):
@@ -48,14 +49,15 @@ def averaging():
     return [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2)]
 
 
-def fit_both(factory=Normalized, options=None, optimizer="sgd", **flags):
+def fit_both(factory=Normalized, options=None, optimizer="sgd", validation=False, **flags):
     ipu, cpu = twins(factory, optimizer=optimizer)
     strategy = {} if options is None else {"strategy": IPUStrategy(training_opts=options)}
     ipu_trainer = pl.Trainer(accelerator="ipu", devices=1, max_epochs=4, callbacks=averaging(), **strategy,
                              **flags, **QUIET)
-    ipu_trainer.fit(ipu, loader(dataset(), 8))
+    val = [loader(dataset(16, seed=1), 8)] if validation else []
+    ipu_trainer.fit(ipu, loader(dataset(), 8), *val)
     cpu_trainer = pl.Trainer(accelerator="cpu", max_epochs=4, callbacks=averaging(), **flags, **QUIET)
-    cpu_trainer.fit(cpu, loader(dataset(), 8))
+    cpu_trainer.fit(cpu, loader(dataset(), 8), *val)
     return (ipu_trainer, ipu), (cpu_trainer, cpu)
 
 
@@ -85,6 +87,14 @@ def test_the_batch_norm_epoch_of_weight_averaging_ends_as_on_the_cpu(options, op
     torch.testing.assert_close(ipu.seen[-1], cpu.seen[-1], rtol=1e-5, atol=1e-7)
     iterations = 1 if options is None else options.device_iterations
     assert len(ipu.seen) - 1 == (len(cpu.seen) - 1) // iterations, "one hook call per host call, and the last step"
+
+
+def test_a_validation_before_the_batch_norm_epoch_releases_the_gradients_as_on_the_cpu():
+    """Lightning zeroes the gradients before each validation: the epoch's last step then finds
+    no ``.grad`` and leaves the weights alone."""
+    ipu_fit, cpu_fit = fit_both(validation=True)
+    assert_same_fit(ipu_fit, cpu_fit)
+    assert ipu_fit[1].seen[-1] is None and cpu_fit[1].seen[-1] is None
 
 
 def test_a_manual_step_trains_through_the_batch_norm_epoch_as_on_the_cpu():
