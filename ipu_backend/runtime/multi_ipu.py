@@ -142,7 +142,7 @@ class MultiIpuProgram:
         if mode in ("all", "sum"):
             return True
         if mode == "every_n":
-            return last_micro and (d + 1) % self.settings.schedule.output_period == 0
+            return (d + 1) % self.settings.schedule.output_period == 0
         return last_micro and d == self.settings.schedule.device_iterations - 1
 
     def _collect(self, collected: dict, outputs: dict, d: int, m: int, micro_batches: int) -> None:

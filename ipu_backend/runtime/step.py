@@ -49,9 +49,9 @@ def _select_outputs(ys, schedule: Schedule):
         return ys
     if mode == "sum":
         return jax.tree.map(lambda y: y.sum(axis=(0, 1), keepdims=True), ys)
-    if mode == "every_n":
+    if mode == "every_n":      # every micro-batch of every n-th iteration, as PopART's anchors
         n = schedule.output_period
-        return jax.tree.map(lambda y: y[n - 1::n, -1:], ys)
+        return jax.tree.map(lambda y: y[n - 1::n], ys)
     return jax.tree.map(lambda y: y[-1:, -1:], ys)
 
 

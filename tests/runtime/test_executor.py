@@ -202,6 +202,29 @@ def test_training_output_modes_return_each_steps_loss_before_its_update(mode):
     torch.testing.assert_close(loss, expected, rtol=RTOL, atol=ATOL)
 
 
+
+def test_every_n_returns_every_accumulated_micro_batch_of_every_nth_iteration():
+    """PopART's EveryN anchors: 4 iterations x 2 accumulated micro-batches, every 2nd iteration's
+    two micro-batches (iterations 1 and 3)."""
+    torch.manual_seed(4)
+    reference = Regression()
+    ipu = copy.deepcopy(reference)
+    x, y = data(8 * 2)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    losses = []
+    for step in range(4):
+        optimizer.zero_grad()
+        for micro in range(2):
+            rows = slice(4 * step + 2 * micro, 4 * step + 2 * micro + 2)
+            loss = F.mse_loss(reference(x[rows]), y[rows])
+            (loss / 2).backward()
+            losses.append(loss.detach())
+        optimizer.step()
+    opts = poptorch.Options().deviceIterations(4).outputMode(poptorch.OutputMode.EveryN, output_return_period=2)
+    opts.Training.gradientAccumulation(2)
+    _, loss = poptorch.trainingModel(ipu, opts, torch.optim.SGD(ipu.parameters(), lr=0.05))(x, y)
+    torch.testing.assert_close(loss, torch.stack(losses)[[2, 3, 6, 7]], rtol=RTOL, atol=ATOL)
+
 class Normalised(torch.nn.Module):
     def __init__(self):
         super().__init__()
