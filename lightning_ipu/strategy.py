@@ -59,6 +59,7 @@ initial seed), and ``16-mixed`` precision turns on dynamic loss scaling.
 
 import contextlib
 import functools
+import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -425,6 +426,12 @@ class IPUStrategy(ParallelStrategy):
                           f"advance by device_iterations={iterations} per batch: metrics are logged when "
                           "the count reaches a multiple of it; use a multiple or divisor of "
                           f"{iterations}", stacklevel=3)
+        for callback in trainer.checkpoint_callbacks:
+            every = getattr(callback, "_every_n_train_steps", 0)
+            if iterations > 1 and every and every % iterations:
+                warnings.warn(f"{type(callback).__name__}(every_n_train_steps={every}) counts optimizer steps, which "
+                              f"advance by device_iterations={iterations} per batch: it saves only at multiples of "
+                              f"{math.lcm(every, iterations)}; use a multiple of {iterations}", stacklevel=3)
         stepped = [config for config in self.lr_scheduler_configs if config.interval == "step"]
         if iterations > 1 and stepped and self.lightning_module.automatic_optimization:
             warnings.warn(f"{type(stepped[0].scheduler).__name__} (interval='step') is stepped once per batch: "

@@ -163,6 +163,23 @@ def test_a_step_scheduler_stepped_once_per_batch_of_several_optimizer_steps_is_w
         assert len(warned) == 1 and "StepLR (interval='step')" in warned[0] and "2 times slower" in warned[0]
 
 
+
+@pytest.mark.parametrize("every, warned", [(3, True), (4, False)])
+def test_checkpoints_every_n_steps_not_a_multiple_of_the_device_iterations_are_warned_of(every, warned, tmp_path):
+    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=every, save_top_k=-1)
+    trainer = pl.Trainer(accelerator="ipu", devices=1, max_steps=12, callbacks=[checkpoints],
+                         strategy=IPUStrategy(training_opts=ipu_backend.Options(device_iterations=2)),
+                         **{**QUIET, "enable_checkpointing": True})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Regressor(), loader(dataset(48), 4))
+    messages = [str(w.message) for w in caught if "every_n_train_steps" in str(w.message)]
+    saved = sorted(int(path.stem.split("step=")[1]) for path in tmp_path.glob("*.ckpt"))
+    if warned:       # the CPU saves at 3, 6, 9, 12
+        assert saved == [6, 12] and len(messages) == 1 and "saves only at multiples of 6" in messages[0]
+    else:
+        assert saved == [4, 8, 12] and not messages
+
 class StepSized(Regressor):
     """Reads the schedule length ``configure_optimizers`` sizes a per-batch scheduler by."""
 
