@@ -11,8 +11,8 @@ class OutputMode(enum.IntEnum):
     """Which results a model run returns to the host.
 
     ``Final``: the last batch's. ``EveryN``: every N-th batch's (N is ``output_return_period``),
-    each of its accumulated micro-batches. ``All``: every batch's. ``Sum``: their sum. ``Default``: ``All`` for inference, ``Final`` for
-    training.
+    each of its accumulated micro-batches. ``All``: every batch's. ``Sum``: their sum.
+    ``Default``: ``All`` for inference, ``Final`` for training.
     """
 
     Final = 0
