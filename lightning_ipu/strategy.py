@@ -168,8 +168,10 @@ class IPUStrategy(ParallelStrategy):
         self._gradient_clipping: seam.GradientClipping | None = None
         self._shown_gradients: _gradient_hooks.ShownGradients | None = None
         self._keep_last_gradients = False
-        self._last_gradients_pending = False   # the last training call's, not yet in .grad nor released
         """Whether training calls keep their gradients for an epoch without backward."""
+        self._last_gradients_pending = False
+        """Whether the last training call's kept gradients stand in the CPU's ``.grad`` now: set
+        by each training call, released by a validation (as Lightning zeroes ``.grad``)."""
         self._trainer = None
         self._accumulate_grad_batches: int | None = None
         self._shifted_batch_start: int | None = None
