@@ -188,18 +188,18 @@ def _var_and_mean(x, dim, correction, keepdim):
     wide = _widen(x)
     correction = 1 if correction is None else correction
     slope = _torch_variance_slope(x.shape, dim, axes, correction)
+    mean_kept = jnp.mean(wide, axis=axes, keepdims=True)
     if slope is None:
-        var = _variance(wide, axes, correction, keepdim)
+        var = _variance(wide, mean_kept, axes, correction, keepdim)
     else:
         var = _variance_with_slope(wide, axes, correction, keepdim, slope)
-    mean_kept = jnp.mean(wide, axis=axes, keepdims=True)
     mean_out = mean_kept if keepdim else jnp.squeeze(mean_kept, axes)
     return var.astype(x.dtype), mean_out.astype(x.dtype)
 
 
-def _variance(x, axes, correction, keepdim):
-    """Two-pass variance divided by ``max(n - correction, 0)`` (so inf or NaN when that is 0)."""
-    mean_kept = jnp.mean(x, axis=axes, keepdims=True)
+def _variance(x, mean_kept, axes, correction, keepdim):
+    """Two-pass variance around ``mean_kept`` divided by ``max(n - correction, 0)`` (so inf or
+    NaN when that is 0)."""
     count = math.prod(x.shape[a] for a in axes)
     return jnp.sum(jnp.square(x - mean_kept), axis=axes, keepdims=keepdim) / max(count - correction, 0)
 
@@ -228,13 +228,14 @@ def _variance_with_slope(x, axes, correction, keepdim, slope):
 
     @jax.custom_jvp
     def variance(v):
-        return _variance(v, axes, correction, keepdim)
+        return _variance(v, jnp.mean(v, axis=axes, keepdims=True), axes, correction, keepdim)
 
     @variance.defjvp
     def variance_jvp(primals, tangents):
         (v,), (tangent,) = primals, tangents
         mean_kept = jnp.mean(v, axis=axes, keepdims=True)
-        return variance(v), jnp.sum(slope(v, mean_kept) * tangent, axis=axes, keepdims=keepdim)
+        return (_variance(v, mean_kept, axes, correction, keepdim),
+                jnp.sum(slope(v, mean_kept) * tangent, axis=axes, keepdims=keepdim))
 
     return variance(x)
 
