@@ -155,11 +155,11 @@ class MultiIpuProgram:
         if kept:
             collected.setdefault((d, m), {}).update(kept)
 
-    def _gather_outputs(self, collected: dict) -> tuple[list[np.ndarray], dict]:
-        """``[R, D', A', ...]`` per array output from ``{(d, m): {output index: [R, ...]}}``, and
-        each logged metric state's total over all the call's micro-batches (``[R, 1, 1, ...]``)."""
+    def _gather_outputs(self, collected: dict, micro_batches: int) -> tuple[list[np.ndarray], dict]:
+        """``[R, D', A', ...]`` per array output from ``{(d, m): {output index: [R, ...]}}`` (``m``
+        of ``micro_batches`` per iteration), and each logged metric state's total over all the
+        call's micro-batches (``[R, 1, 1, ...]``)."""
         host = jax.device_get(collected)
-        micro_batches = 1 + max(m for _, m in host) if host else 1
         arrays, totals = [], {}
         for index in range(len(self.part.array_outputs)):
             cells = sorted(key for key in host if index in host[key])
@@ -214,7 +214,7 @@ class MultiIpuProgram:
             self._update(params, opt, accs, hypers, keys, scalers, d)
         new_state = {"params": self._owned_params(params), "buffers": _merge(buffers),
                      "opt": self._merged_opt(opt), "scaler": scalers[0] if dynamic else state["scaler"]}
-        return new_state, *self._gather_outputs(collected)
+        return new_state, *self._gather_outputs(collected, schedule.accumulation)
 
     def _update(self, params, opt, accs, hypers, keys, scalers, d: int) -> None:
         """Every stage's optimizer step, in place of the lists it is given. A stage owning a tied
@@ -261,7 +261,7 @@ class MultiIpuProgram:
                 params[k], buffers[k], received.pop((k, d), {}), user[k], keys[k], stages[k].index(d))
             self._send(sent, d, received)
             self._collect(collected, outputs, d, 0, 1)
-        return {"params": self._owned_params(params), "buffers": _merge(buffers)}, *self._gather_outputs(collected)
+        return {"params": self._owned_params(params), "buffers": _merge(buffers)}, *self._gather_outputs(collected, 1)
 
 
 def multi_ipu_program(executor) -> MultiIpuProgram | None:
