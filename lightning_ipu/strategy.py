@@ -9,7 +9,8 @@ checkpoints, callbacks) shows them whenever it is read.
 **One Lightning batch is one host call**: a combined batch of ``device_iterations x
 gradient_accumulation x replicas`` micro-batches of the dataloader's ``batch_size`` (see
 ``_data.py``), on which the IPUs run ``device_iterations`` optimizer steps. So ``batch_idx``, the
-progress bar, ``limit_*_batches`` and ``val_check_interval`` count host calls, while
+progress bar, ``limit_*_batches`` and ``val_check_interval`` count host calls (a fraction rounded
+in calls to other batches than on the CPU is warned of, ``_batch_limits.py``), while
 ``trainer.global_step``, ``max_steps`` and the step loggers record count optimizer steps
 (``device_iterations`` per batch; ``max_steps`` must be a multiple of it). With the defaults
 (``device_iterations=1``, no accumulation) a batch is one optimizer step on ``replicas x
@@ -70,6 +71,7 @@ from typing_extensions import override
 
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.fabric.utilities.data import sized_len
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.rank_zero import rank_zero_only as utils_rank_zero_only
 from lightning.pytorch.accelerators import Accelerator
@@ -82,8 +84,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import ipu_backend
 from ipu_backend import lightning_seam as seam
-from lightning_ipu import _appends, _compile_progress, _counters, _data, _gradient_hooks, _loop_progress, _metrics
-from lightning_ipu import _outputs, _processes, _short_batches, _skipped_backward
+from lightning_ipu import _appends, _batch_limits, _compile_progress, _counters, _data, _gradient_hooks
+from lightning_ipu import _loop_progress, _metrics, _outputs, _processes, _short_batches, _skipped_backward
 
 from .precision import IPUPrecision
 
@@ -476,7 +478,11 @@ class IPUStrategy(ParallelStrategy):
         """Combined batches for the running stage's options (see ``_data.py``)."""
         stage = self.lightning_module.trainer.state.stage
         options = self._training_opts if stage == RunningStage.TRAINING else self._inference_opts
-        return _data.to_ipu_dataloader(dataloader, options, stage.dataloader_prefix)
+        loader = _data.to_ipu_dataloader(dataloader, options, stage.dataloader_prefix)
+        _batch_limits.warn_if_fraction_splits_calls(self.lightning_module.trainer, stage.dataloader_prefix,
+                                                    dataloader, sized_len(loader),
+                                                    _data.micro_batches_per_call(options))
+        return loader
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
