@@ -706,10 +706,9 @@ _DEFAULT_CIA_DECOMPOSITION_CODE = _export_utils._get_decomp_for_cia(torch.ops.at
 
 _TORCH_DECOMPOSED = (
     torch.ops.aten.upsample_nearest2d.vec, torch.ops.aten.upsample_bilinear2d.vec,
-    torch.ops.aten.upsample_bilinear2d.default, torch.ops.aten.grid_sampler_2d.default,
-    torch.ops.aten.bucketize.Tensor)
-"""Ops core ATen keeps whole (``F.interpolate``'s nearest and bilinear modes, ``F.grid_sample``,
-``torch.bucketize``) that have no lowering of their own: decomposed with torch's own
+    torch.ops.aten.upsample_bilinear2d.default, torch.ops.aten.grid_sampler_2d.default)
+"""Ops core ATen keeps whole (``F.interpolate``'s nearest and bilinear modes, ``F.grid_sample``)
+that have no lowering of their own: decomposed with torch's own
 decompositions (``torch._decomp``) into indexing and arithmetic, so they compute torch's formula."""
 
 

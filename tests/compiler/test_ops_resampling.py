@@ -1,6 +1,6 @@
-"""Resampling against torch: ``F.interpolate``'s nearest and bilinear modes, ``F.grid_sample`` and
-``torch.bucketize``, which core ATen keeps whole and the capture decomposes with torch's own
-decompositions (``capture._TORCH_DECOMPOSED``): forward and gradients."""
+"""Resampling against torch: ``F.interpolate``'s nearest and bilinear modes and ``F.grid_sample``,
+which core ATen keeps whole and the capture decomposes with torch's own decompositions
+(``capture._TORCH_DECOMPOSED``): forward and gradients."""
 
 import pytest
 import torch
@@ -50,10 +50,6 @@ CASES = [
            lambda x, grid: tuple(F.grid_sample(x, grid, mode="nearest", padding_mode=padding, align_corners=corners)
                                  for padding in ("zeros", "border") for corners in (False, True)),
            image_and_boundary_grid, dtypes=(torch.float32,)),
-    OpCase("bucketize",
-           lambda x: (torch.bucketize(x, torch.tensor([-1.0, 0.0, 0.5, 1.0])),
-                      torch.bucketize(x, torch.tensor([-1.0, 0.0, 0.5, 1.0]), right=True, out_int32=True)),
-           lambda dtype: (torch.tensor([[-2.0, -1.0, 0.0, 0.2], [0.5, 0.7, 1.0, 3.0]]),), grad=False),
 ]
 
 

@@ -266,6 +266,14 @@ SCATTER_REDUCE = [
            scatter_reduce_inputs, HALF_AND_INT,
            ops=(aten.scatter_reduce.two,))
     for reduce in ("sum", "prod", "mean", "amax", "amin")
+] + [
+    OpCase(f"index_reduce_{reduce}",
+           lambda x, s, i, reduce=reduce: (x.index_reduce(0, i[:, 0], s, reduce),
+                                           x.index_reduce(0, i[:, 0], s, reduce, include_self=False),
+                                           x.T.index_reduce(-1, i[:, 2], s.T, reduce, include_self=False)),
+           scatter_reduce_inputs, HALF_AND_INT,
+           ops=(aten.index_reduce.default,))
+    for reduce in ("prod", "mean", "amax", "amin")
 ]
 
 
@@ -308,6 +316,20 @@ EMBEDDING_SORTING = [
            lambda dtype: (torch.tensor([[-1, 0, 0, 2], [-3, -1, 1, 1], [0, 1, 2, 3]]).to(dtype),
                           torch.tensor([-2, -1, 0, 1, 2, 3, 0, 1, -4, 5, 2, 1]).to(dtype)),
            FLOAT_AND_INT, grad=False, ops=(aten.searchsorted.Tensor,)),
+    OpCase("bucketize",
+           lambda x, boundaries: (torch.bucketize(x, boundaries), torch.bucketize(x, boundaries, right=True),
+                                  torch.bucketize(x[1, 2], boundaries, out_int32=True),
+                                  torch.bucketize(x, boundaries.int()), torch.bucketize(x.int(), boundaries + 0.5)),
+           lambda dtype: (torch.tensor([[-2.0, -1.0, 0.0, 0.2], [0.5, 0.7, 1.0, 3.0]]).to(dtype),
+                          torch.tensor([-1.0, 0.0, 0.5, 1.0]).to(dtype)),
+           FLOAT_AND_INT, grad=False, ops=(aten.bucketize.Tensor,)),
+    OpCase("binary_search_nan_and_unsorted",
+           lambda x, sorted_, unsorted: (torch.bucketize(x, sorted_), torch.searchsorted(sorted_, x, right=True),
+                                         torch.bucketize(x, unsorted, right=True), torch.searchsorted(unsorted, x)),
+           lambda dtype: (torch.tensor([float("nan"), -3.0, 0.0, 0.5, 7.0, float("inf"), 1.0, 4.0]),
+                          torch.tensor([-1.0, 0.0, 0.0, 1.0, 2.0, float("nan")]),
+                          torch.tensor([1.0, float("nan"), 0.0, 5.0, -2.0, 3.0, 2.0])),
+           grad=False, ops=(aten.bucketize.Tensor, aten.searchsorted.Tensor)),
 ]
 
 DYNAMIC_SLICING = [

@@ -399,6 +399,20 @@ def scatter_reduce(ctx, x, dim, index, src, reduce, include_self=True):
     return scatter_reduced(x, src, positions, reduce, include_self)
 
 
+@lowering(aten.index_reduce.default)
+def index_reduce(ctx, x, dim, index, source, reduce, include_self=True):
+    """``x.index_reduce_(dim, index, source, reduce)``: the ``i``-th slice of ``source`` along
+    ``dim`` reduced into slice ``index[i]`` of ``x``, i.e. ``scatter_reduce`` with the index
+    spread over ``source``'s shape (its values and gradients, torch's for index_reduce too)."""
+    if x.ndim == 0:
+        return scatter_reduce(ctx, x, 0, index, source, reduce, include_self)
+    dim = _dim(dim, x.ndim)
+    along = [1] * source.ndim
+    along[dim] = -1
+    return scatter_reduce(ctx, x, dim, jnp.broadcast_to(index.reshape(along), source.shape), source, reduce,
+                          include_self)
+
+
 def _scatter_mean(x, src, positions, include_self):
     """Sum over the contributions over their count; integers floor-divide, as torch."""
     total = scatter_reduced(x, src, positions, "sum", include_self)
@@ -519,15 +533,31 @@ def searchsorted(ctx, sorted_sequence, values, *, out_int32=False, right=False, 
     A 1-D sequence serves every value; otherwise its leading axes match the values' ones."""
     if sorter is not None:
         sorted_sequence = jnp.take_along_axis(sorted_sequence, sorter, axis=-1)
-    side = side or ("right" if right else "left")
-    dtype = jnp.int32
+    return _torch_binary_search(sorted_sequence, values, right=(side or ("right" if right else "left")) == "right")
 
-    def row(sequence, row_values):
-        return jnp.searchsorted(sequence, row_values, side=side, method="compare_all").astype(dtype)
 
-    if sorted_sequence.ndim == 1:
-        return row(sorted_sequence, values)
-    lead = sorted_sequence.shape[:-1]
-    flat = jax.vmap(row)(sorted_sequence.reshape(-1, sorted_sequence.shape[-1]),
-                         values.reshape(-1, values.shape[-1]))
-    return flat.reshape(*lead, values.shape[-1])
+@lowering(aten.bucketize.Tensor)
+def bucketize(ctx, x, boundaries, *, out_int32=False, right=False):
+    """The bucket of each element of ``x`` (any shape, 0-d too) among the 1-D ``boundaries``."""
+    return _torch_binary_search(boundaries, x, right=right)
+
+
+def _torch_binary_search(sequence, values, right: bool):
+    """torch's binary search, probe for probe, compared in the promoted dtype: the first position
+    whose entry is not below (``right``: not at or below) the value. So a NaN value goes past
+    the end, and a sequence that is not sorted gives torch's answer too (its result is the
+    probes', not a count of smaller entries)."""
+    dtype = jnp.promote_types(sequence.dtype, values.dtype)
+    sequence, values = sequence.astype(dtype), values.astype(dtype)
+    n = sequence.shape[-1]
+    start = jnp.zeros(values.shape, jnp.int32)
+    end = jnp.full(values.shape, n, jnp.int32)
+    for _ in range(n.bit_length()):          # each probe at least halves every open range
+        open_range = start < end
+        mid = start + (end - start) // 2
+        probe = sequence[jnp.minimum(mid, n - 1)] if sequence.ndim == 1 else \
+            jnp.take_along_axis(sequence, jnp.minimum(mid, n - 1), axis=-1)
+        after = ~(probe > values) if right else ~(probe >= values)
+        start = jnp.where(open_range & after, mid + 1, start)
+        end = jnp.where(open_range & ~after, mid, end)
+    return start
