@@ -83,8 +83,9 @@ def test_the_batch_norm_epoch_of_weight_averaging_ends_as_on_the_cpu(options, op
     (ipu_trainer, ipu), (_, cpu) = ipu_fit, cpu_fit
     assert ipu_trainer.current_epoch == 5, "the batch-norm epoch ran"
     assert ipu.net[1].num_batches_tracked == cpu.net[1].num_batches_tracked == 8
-    # The last optimizer step, at the end of the epoch without backward, saw the CPU's left gradients.
-    torch.testing.assert_close(ipu.seen[-1], cpu.seen[-1], rtol=1e-5, atol=1e-7)
+    # The last optimizer step, at the end of the epoch without backward, saw the CPU's left gradients
+    # (within the weights' tolerance: they come from weights five epochs of Adam took there).
+    torch.testing.assert_close(ipu.seen[-1], cpu.seen[-1], rtol=1e-5, atol=1e-6)
     iterations = 1 if options is None else options.device_iterations
     assert len(ipu.seen) - 1 == (len(cpu.seen) - 1) // iterations, "one hook call per host call, and the last step"
 
