@@ -56,14 +56,16 @@ def coordinator_from_environment() -> str | None:
 def step_executor(module: torch.nn.Module, options: Options, method: str, training: bool,
                   optimizer: torch.optim.Optimizer | None = None,
                   gradient_clipping: GradientClipping | None = None,
-                  keep_gradients: bool = False) -> PoplarExecutor:
+                  keep_gradients: bool = False, step_schedulers: Callable[[], None] | None = None) -> PoplarExecutor:
     """An executor of ``module.<method>`` (a Lightning step) compiled with its ``self.log`` calls as
     outputs; training with ``optimizer`` and ``gradient_clipping`` before each update, keeping
-    each call's last gradients for the host when ``keep_gradients`` (``PoplarExecutor.gradients``).
+    each call's last gradients for the host when ``keep_gradients`` (``PoplarExecutor.gradients``),
+    and calling ``step_schedulers`` after each of a call's optimizer steps but its last, so that
+    each step runs at the hyper-parameters they set (``runtime/hyperparameters.py``).
     It writes reports when the options ask for them."""
     return PoplarExecutor(module, options, training, optimizer=optimizer, step_method=method,
                           gradient_clipping=gradient_clipping, recorder=recorder_for(options, training, method),
-                          keep_gradients=keep_gradients)
+                          keep_gradients=keep_gradients, step_schedulers=step_schedulers)
 
 
 def manual_step_executor(module: torch.nn.Module, options: Options, optimizers: Sequence[torch.optim.Optimizer],

@@ -4,11 +4,12 @@ One host call runs ``device_iterations`` optimizer steps, but Lightning's loop c
 batch: the extra steps are added to the loop's optimizer-step progress (``trainer.global_step``)
 and to the batches that stepped (where the step loggers record), which the callbacks'
 ``on_train_batch_start`` see at the call's last step; while the optimizers are configured,
-``max_steps`` is read in batches. These are Lightning internals, checked against the
+the estimated stepping batches count optimizer steps. These are Lightning internals, checked against the
 Lightning version by ``_lightning_hooks.check_version``.
 """
 
 import contextlib
+import fractions
 
 
 def count_extra_optimizer_steps(trainer, optimizer_steps: int, batches: int) -> None:
@@ -27,19 +28,18 @@ def count_extra_optimizer_steps(trainer, optimizer_steps: int, batches: int) -> 
 
 
 @contextlib.contextmanager
-def max_steps_in_batches(trainer, iterations: int):
-    """``trainer.max_steps`` counted in batches (host calls of ``iterations`` optimizer steps)
-    inside the block: ``trainer.estimated_stepping_batches``, which ``configure_optimizers``
-    reads to size a schedule stepped once per batch, takes the lesser of the epochs' batches and
-    ``max_steps``, and would otherwise compare batches with optimizer steps."""
-    epoch_loop = trainer.fit_loop.epoch_loop
-    saved = epoch_loop.max_steps
-    if iterations > 1 and saved > 0:
-        epoch_loop.max_steps = -(-saved // iterations)
+def stepping_batches_in_optimizer_steps(trainer, iterations: int):
+    """``trainer.estimated_stepping_batches`` in optimizer steps inside the block, as on the CPU:
+    ``configure_optimizers`` reads it to size a schedule stepped after every optimizer step. It
+    divides the epochs' batches (host calls of ``iterations`` optimizer steps here) by
+    ``accumulate_grad_batches``, which the block makes the exact fraction ``1/iterations``."""
+    saved = trainer.accumulate_grad_batches
+    if iterations > 1:
+        trainer.accumulate_grad_batches = fractions.Fraction(1, iterations)
     try:
         yield
     finally:
-        epoch_loop.max_steps = saved
+        trainer.accumulate_grad_batches = saved
 
 
 def shift_batches_that_stepped(trainer, batches: int) -> None:

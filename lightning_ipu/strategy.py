@@ -11,14 +11,15 @@ gradient_accumulation x replicas`` micro-batches of the dataloader's ``batch_siz
 ``_data.py``), on which the IPUs run ``device_iterations`` optimizer steps. So ``batch_idx``, the
 progress bar, ``limit_*_batches`` and ``val_check_interval`` count host calls (a fraction rounded
 in calls to other batches than on the CPU is warned of, ``_batch_limits.py``), while
-``trainer.global_step``, ``max_steps`` and the step loggers record count optimizer steps
-(``device_iterations`` per batch; ``max_steps`` must be a multiple of it). With the defaults
-(``device_iterations=1``, no accumulation) a batch is one optimizer step on ``replicas x
-batch_size`` samples, as with DDP on that many devices. ``accumulate_grad_batches`` becomes the
-options' gradient accumulation: the loop sees one batch per optimizer step. Hyper-parameters
-(learning rate, ...) are read once per host call: a scheduler with ``interval="step"`` steps once per
-batch, i.e. every ``device_iterations`` optimizer steps (``trainer.estimated_stepping_batches``
-counts batches too). Validation, test and predict evaluate every sample: the short last batch of
+``trainer.global_step``, ``max_steps``, ``trainer.estimated_stepping_batches`` and the step
+loggers record count optimizer steps (``device_iterations`` per batch; ``max_steps`` must be a
+multiple of it). With the defaults (``device_iterations=1``, no accumulation) a batch is one
+optimizer step on ``replicas x batch_size`` samples, as with DDP on that many devices.
+``accumulate_grad_batches`` becomes the options' gradient accumulation: the loop sees one batch
+per optimizer step. Hyper-parameters (learning rate, ...) are program inputs: a scheduler with
+``interval="step"`` is stepped between the optimizer steps of a call, each step running at the
+rate it set, as on the CPU (a ``frequency`` above 1 or a monitored one steps once per batch,
+warned of). Validation, test and predict evaluate every sample: the short last batch of
 an epoch runs padded, its padding dropped from every result (``_short_batches.py``).
 
 What a step returns is combined over the micro-batches of the call as ``_outputs.py``
@@ -393,7 +394,8 @@ class IPUStrategy(ParallelStrategy):
         self._inference_opts = self._resolve_options(self._user_inference_opts, trainer, training=False)
         self.parallel_devices = [self.root_device] * self.replicas
         self._executors = {}
-        with _loop_progress.max_steps_in_batches(trainer, self._training_opts.device_iterations if fitting else 1):
+        with _loop_progress.stepping_batches_in_optimizer_steps(
+                trainer, self._training_opts.device_iterations if fitting else 1):
             super().setup(trainer)
         if fitting:
             self._check_training(trainer)
@@ -436,14 +438,17 @@ class IPUStrategy(ParallelStrategy):
                 warnings.warn(f"{type(callback).__name__}(every_n_train_steps={every}) counts optimizer steps, which "
                               f"advance by device_iterations={iterations} per batch: it saves only at multiples of "
                               f"{math.lcm(every, iterations)}; use a multiple of {iterations}", stacklevel=3)
-        stepped = [config for config in self.lr_scheduler_configs if config.interval == "step"]
-        if iterations > 1 and stepped and self.lightning_module.automatic_optimization:
-            warnings.warn(f"{type(stepped[0].scheduler).__name__} (interval='step') is stepped once per batch: "
-                          f"the batch's device_iterations={iterations} optimizer steps all run at the "
+        per_batch = [config for config in self.lr_scheduler_configs
+                     if config.interval == "step" and config not in self._schedulers_per_optimizer_step()]
+        if iterations > 1 and per_batch and self.lightning_module.automatic_optimization:
+            config = per_batch[0]
+            kind = "monitor" if config.reduce_on_plateau else f"frequency={config.frequency}"
+            warnings.warn(f"{type(config.scheduler).__name__} (interval='step', {kind}) is stepped once per "
+                          f"batch: the batch's device_iterations={iterations} optimizer steps all run at the "
                           "learning rate it set, so a schedule counted in optimizer steps runs "
-                          f"{iterations} times slower than on the CPU. Count its steps in batches "
-                          "(trainer.estimated_stepping_batches does), or step it in a manual-"
-                          "optimization step, where each optimizer step gets its own rate", stacklevel=3)
+                          f"{iterations} times slower than on the CPU. Count its steps in batches, or step "
+                          "it in a manual-optimization step, where each optimizer step gets its own rate",
+                          stacklevel=3)
         self._gradient_clipping = None
         clip_val = trainer.gradient_clip_val
         if clip_val is not None and clip_val > 0:
@@ -663,7 +668,9 @@ class IPUStrategy(ParallelStrategy):
                 self.lightning_module, self._training_opts if training else self._inference_opts, method,
                 training, optimizer=self.optimizers[0] if training else None,
                 gradient_clipping=self._gradient_clipping if training else None,
-                keep_gradients=training and (self._shown_gradients is not None or self._keep_last_gradients))
+                keep_gradients=training and (self._shown_gradients is not None or self._keep_last_gradients),
+                step_schedulers=self._step_schedulers_between_optimizer_steps if training and any(
+                    self._schedulers_per_optimizer_step()) else None)
             self._executors[method] = executor
         return executor
 
@@ -740,6 +747,21 @@ class IPUStrategy(ParallelStrategy):
         for event in events:
             if isinstance(event, seam.SchedulerStep):
                 self.lr_scheduler_configs[event.scheduler].scheduler.step()
+
+    def _schedulers_per_optimizer_step(self) -> list:
+        """The ``interval="step"`` schedulers of automatic optimization that the training executor
+        steps between a call's optimizer steps, as Lightning steps them on the CPU: those stepped
+        after every optimizer step (``frequency=1``, not monitoring a metric)."""
+        return [config for config in self.lr_scheduler_configs
+                if config.interval == "step" and config.frequency == 1 and not config.reduce_on_plateau]
+
+    def _step_schedulers_between_optimizer_steps(self) -> None:
+        """Step them through the module's ``lr_scheduler_step`` hook, as Lightning does after the
+        call's last optimizer step (the executor calls this after each of the others)."""
+        for optimizer in self.optimizers:
+            optimizer._opt_called = True       # stepped on the IPUs (see IPUPrecision.optimizer_step)
+        for config in self._schedulers_per_optimizer_step():
+            self.lightning_module.lr_scheduler_step(config.scheduler, None)
 
     def _with_counters(self, method: str, args: tuple, options, skipped: int = 0) -> tuple[tuple, Any]:
         """The executor's arguments for a step called with ``args`` (``batch, [batch_idx, ...]``)

@@ -1,9 +1,11 @@
 """PopTorch's executor (``PoplarExecutor``): one compiled step per input signature, weights on
 the emulated IPUs, the user's module kept in sync."""
 
+import dataclasses
 import inspect
 import time
 import warnings
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -38,6 +40,7 @@ from ipu_backend.runtime.random_state import restore_random_state
 from ipu_backend.runtime.recording import SINGLE_IPU
 from ipu_backend.runtime.schedule import OUTPUT_MODE_NAMES, Schedule
 from ipu_backend.runtime.stages import has_blocks
+from ipu_backend.runtime.hyperparameters import HyperParameters, first_row
 from ipu_backend.runtime.replica_buffers import ReplicaBuffers
 from ipu_backend.runtime.step import OutputLayout, forward_with_constants, inference_call, initial_scaler
 from ipu_backend.runtime.step import master_copy, training_call
@@ -50,15 +53,18 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
     """What ``trainingModel``/``inferenceModel`` return: call it like the model."""
 
     def __init__(self, model: torch.nn.Module, options, training: bool, optimizer=None,
-                 step_method: str | None = None, gradient_clipping=None, recorder=None, keep_gradients: bool = False):
+                 step_method: str | None = None, gradient_clipping=None, recorder=None, keep_gradients: bool = False,
+                 step_schedulers: Callable[[], None] | None = None):
         if training and optimizer is None:
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         wrapper = training and step_method is None         # a trainingModel: one per module at a time
         if wrapper:
             refuse_second_training_wrapper(model)
+        self._hypers = HyperParameters(step_schedulers if training else None)
+        """The optimizer's hyper-parameters of each call (``runtime/hyperparameters.py``)."""
         super().__init__(model, options, training, step_method, recorder, optimizer if training else None)
         self._made_with = (model, options, training, optimizer, step_method, gradient_clipping, self._profiler,
-                           keep_gradients)
+                           keep_gradients, step_schedulers)
         self._gradient_clipping = gradient_clipping
         """A ``runtime.clipping.GradientClipping`` applied before each optimizer update, or None."""
         self._keep_gradients, self._gradients = keep_gradients, None
@@ -69,10 +75,6 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         self._scaler = None
         self._resident = None
         """The state the last call returned, already on the mesh: passed back without a copy."""
-        self._matched = None
-        """``(rule, param-group values)`` last found to match: not checked again until they change."""
-        self._hyper = None
-        """``(rule, param-group values, hyper-parameters on the mesh)`` of the last call."""
         self._attached = True
         self._destroyed = False
         self._weight_groupings = {}
@@ -84,6 +86,11 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
                                  PoplarExecutor._optimizer_state_loaded)
         if wrapper:
             claim_for_training(model, self)
+
+    def _make_schedule(self) -> Schedule:
+        schedule = super()._make_schedule()
+        per_iteration = self._hypers.step_schedulers is not None and schedule.device_iterations > 1
+        return dataclasses.replace(schedule, hyperparameters_per_iteration=per_iteration)
 
     def _check_settings(self) -> None:
         super()._check_settings()
@@ -389,7 +396,8 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
     def _cache_key(self, args: tuple, groups: tuple | None, keywords: tuple) -> tuple:
         structure = None if groups is None else (groups[0],) + tuple(group[0] for group in groups[1:])
         settings = (self._training, self._step_method, self._settings.key, self._gradient_clipping,
-                    self._keep_gradients, tuple(self._weight_groupings.items()))
+                    self._keep_gradients, tuple(self._weight_groupings.items()),
+                    self._schedule().hyperparameters_per_iteration)
         return ProgramKey(settings, structure, program_settings(), (input_signature(args), keywords))
 
     def _compile(self, args: tuple, groups: tuple | None, keywords: tuple = ()) -> tuple[CompiledStep, tuple]:
@@ -400,7 +408,8 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         compiled = self._compiled.get(signature)
         stale = compiled is not None and self._reads_changed(compiled)
         known = ()
-        if compiled is not None and not stale and (compiled.rule is None or self._rule_matches(compiled.rule, groups)):
+        if compiled is not None and not stale and (
+                compiled.rule is None or self._hypers.matches(compiled.rule, self._optimizer, groups)):
             if not compiled.program.variants:
                 return compiled, args
             inputs = variants.with_choice(compiled.program, args, self._schedule())
@@ -441,9 +450,10 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             buffers = self._replica_buffers.for_call(buffers, schedule.replicas, mesh)
         state = {"params": params, "buffers": buffers}
         if self._training:
-            hyper = self._hyperparameters(compiled.rule, mesh, groups)
+            iterations = schedule.device_iterations if schedule.hyperparameters_per_iteration else None
+            hyper = self._hypers.for_call(compiled.rule, self._optimizer, mesh, groups, iterations, advance)
             state.update(opt=self._optimizer_state(compiled.rule, params),
-                         scaler=self._scaler_state(compiled.rule, hyper))
+                         scaler=self._scaler_state(compiled.rule, first_row(hyper, schedule)))
         if mesh is not None and not self._is_resident(state):
             rows = state.pop("buffers") if schedule.per_replica_buffers else None   # already sharded
             state = processes.replicated(state, mesh, first_process=True)
@@ -462,27 +472,6 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         last = self._resident
         return last is not None and all(value is last.get(name) for name, value in state.items())
 
-    def _rule_matches(self, rule, values: tuple) -> bool:
-        """``rule.matches(optimizer)``, checked again only when the param groups (``values``,
-        :meth:`_param_groups`) changed."""
-        if self._matched is not None and self._matched[0] is rule and self._matched[1] == values:
-            return True
-        if not rule.matches(self._optimizer):
-            return False
-        self._matched = (rule, values)
-        return True
-
-    def _hyperparameters(self, rule, mesh, values: tuple):
-        """The optimizer's hyper-parameters on the mesh, rebuilt only when its param groups
-        (``values``) changed (``setOptimizer``, a learning-rate scheduler, a value set by hand)."""
-        cached = self._hyper
-        if cached is None or cached[0] is not rule or cached[1] != values:
-            hyper = rule.hyperparameters(self._optimizer)
-            if mesh is not None:
-                hyper = processes.replicated(hyper, mesh)
-            self._hyper = cached = (rule, values, hyper)
-        return cached[2]
-
     def _build(self, program, micro: tuple, schedule: Schedule, started: float, keywords: tuple = ()) -> CompiledStep:
         """The compiled program of ``program`` (a capture of the model on ``micro``): one the
         process already compiled for an equal capture (same identity, options, optimizer structure
@@ -490,6 +479,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         rule, loss_index, without_gradient = self._rule_and_loss(program)
         shared_key = None if program.identity is None else (
             program.identity, self._training, self._step_method, self._settings.key,
+            self._schedule().hyperparameters_per_iteration,
             None if rule is None else rule.structure, self._gradient_clipping, self._keep_gradients,
             program_settings(),
             input_signature(micro), keywords, current_options(), tuple(self._weight_groupings.items()))

@@ -16,6 +16,7 @@ import numpy as np
 
 from ipu_backend.compiler.list_appends import EVERY_MICRO_BATCH
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX
+from ipu_backend.runtime.hyperparameters import first_row, row
 from ipu_backend.runtime.recording import PIPELINED, SHARDED, StageFacts
 from ipu_backend.runtime.schedule import inference_order, training_order
 from ipu_backend.runtime.stage_program import MultiIpuSettings, StageProgram
@@ -181,9 +182,10 @@ class MultiIpuProgram:
         opt = [self._stage_opt(state["opt"], s) for s in stages]
         user = self._user_inputs(inputs)
         keys = [jax.device_put(key, s.rep) for s in stages]
-        hypers = [jax.device_put(hyper, s.rep) for s in stages]
+        placed = None if schedule.hyperparameters_per_iteration else [jax.device_put(hyper, s.rep) for s in stages]
         dynamic = schedule.dynamic_loss_scaling
-        scalers = [jax.device_put(state["scaler"] if dynamic else {"scale": self.rule.loss_scale(hyper)}, s.rep)
+        first = first_row(hyper, schedule)
+        scalers = [jax.device_put(state["scaler"] if dynamic else {"scale": self.rule.loss_scale(first)}, s.rep)
                    for s in stages]
         accs = [s.zero_accumulator() for s in stages]
         order = training_order(schedule.accumulation, len(stages), self.settings.pipelined)
@@ -211,6 +213,7 @@ class MultiIpuProgram:
                     self._send_back(received_cts, m, cotangents)
                     continue
                 self._collect(collected, outputs, d, m, schedule.accumulation)
+            hypers = placed or [jax.device_put(row(hyper, schedule, d), s.rep) for s in stages]
             self._update(params, opt, accs, hypers, keys, scalers, d)
         new_state = {"params": self._owned_params(params), "buffers": _merge(buffers),
                      "opt": self._merged_opt(opt), "scaler": scalers[0] if dynamic else state["scaler"]}

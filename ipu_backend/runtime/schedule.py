@@ -41,6 +41,7 @@ class Schedule:
     input_group_size: int = 1           # replicas sharing each share of the input data
     input_groups_orthogonal: bool = False
     per_replica_buffers: bool = False   # broadcastBuffers(False): each replica keeps its own buffers
+    hyperparameters_per_iteration: bool = False   # one row of optimizer hyper-parameters per iteration
 
     @property
     def local_replicas(self) -> int:

@@ -425,8 +425,9 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
             params, buffers, inputs, keys, replicas, loss_scale)
 
     def iteration(carry, xs):
-        params, buffers, opt_state, scaler, hyper, _ = carry
-        inputs, key = xs                                   # inputs: [A, r, m, ...]
+        params, buffers, opt_state, scaler, carried, _ = carry
+        inputs, key, *row = xs                             # inputs: [A, r, m, ...]
+        hyper = row[0] if row else carried                 # this iteration's, when given per iteration
         loss_scale = scaler["scale"] if schedule.dynamic_loss_scaling else rule.loss_scale(hyper)
 
         def accumulate(acc, micro):
@@ -450,15 +451,17 @@ def training_call(forward: Callable, loss_index: int, rule, schedule: Schedule, 
             (new_params, new_opt_state), scaler = _apply_if_finite(
                 grads, scaler, (new_params, new_opt_state), (params, opt_state))
         kept = {name: g.astype(rule.accum_dtype) for name, g in grads.items()} if keep_gradients else None
-        return (new_params, buffers, new_opt_state, scaler, hyper, kept), ys
+        return (new_params, buffers, new_opt_state, scaler, carried, kept), ys
 
     def device_program(state, inputs, hyper, key, index):
         keys = iteration_keys(call_key(key, index), schedule.device_iterations)
         params = state["params"]
         kept = zero_gradients(params) if keep_gradients else None
-        carry = (params, state["buffers"], state["opt"], state["scaler"], hyper, kept)
+        per_iteration = schedule.hyperparameters_per_iteration
+        carry = (params, state["buffers"], state["opt"], state["scaler"], None if per_iteration else hyper, kept)
+        xs = (inputs, keys, hyper) if per_iteration else (inputs, keys)
         (params, buffers, opt_state, scaler, _, kept), (arrays, logs) = device_loop(
-            iteration, carry, (inputs, keys), schedule, totals or {})
+            iteration, carry, xs, schedule, totals or {})
         new_state = {"params": params, "buffers": buffers, "opt": opt_state, "scaler": scaler}
         return ({**new_state, "grads": kept} if keep_gradients else new_state), arrays, logs
 

@@ -147,23 +147,6 @@ def test_lr_schedulers_step_and_epoch_intervals_change_the_lr_without_recompilin
     assert trainer.strategy.training_opts.profiling_dir == str(tmp_path)
 
 
-@pytest.mark.parametrize("interval", ["step", "epoch"])
-def test_a_step_scheduler_stepped_once_per_batch_of_several_optimizer_steps_is_warned_of(interval):
-    ipu, _ = twins(schedulers=(("step", interval),))
-    options = ipu_backend.Options(device_iterations=2)
-    trainer = pl.Trainer(accelerator="ipu", devices=1, strategy=IPUStrategy(training_opts=options),
-                         max_steps=4, log_every_n_steps=2, **QUIET)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(ipu, loader(dataset(16), 4))
-    warned = [str(w.message) for w in caught if "stepped once per batch" in str(w.message)]
-    if interval == "epoch":
-        assert not warned
-    else:
-        assert len(warned) == 1 and "StepLR (interval='step')" in warned[0] and "2 times slower" in warned[0]
-
-
-
 @pytest.mark.parametrize("every, warned", [(3, True), (4, False)])
 def test_checkpoints_every_n_steps_not_a_multiple_of_the_device_iterations_are_warned_of(every, warned, tmp_path):
     checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=every, save_top_k=-1)
@@ -181,14 +164,14 @@ def test_checkpoints_every_n_steps_not_a_multiple_of_the_device_iterations_are_w
         assert saved == [4, 8, 12] and not messages
 
 class StepSized(Regressor):
-    """Reads the schedule length ``configure_optimizers`` sizes a per-batch scheduler by."""
+    """Reads the schedule length ``configure_optimizers`` sizes a per-step scheduler by."""
 
     def configure_optimizers(self):
         self.estimated = self.trainer.estimated_stepping_batches
         return super().configure_optimizers()
 
 
-def test_estimated_stepping_batches_counts_the_batches_a_fit_with_max_steps_runs():
+def test_estimated_stepping_batches_counts_the_optimizer_steps_a_fit_with_max_steps_runs():
     ipu, _ = twins(StepSized)
     recorder = Recorder()
     options = ipu_backend.Options(device_iterations=2)
@@ -196,7 +179,7 @@ def test_estimated_stepping_batches_counts_the_batches_a_fit_with_max_steps_runs
                          max_steps=6, log_every_n_steps=2, callbacks=[recorder], **QUIET)
     trainer.fit(ipu, loader(dataset(64), 4))
     assert recorder.steps == [2, 4, 6]                  # three batches of two optimizer steps
-    assert ipu.estimated == 3 and trainer.max_steps == 6
+    assert ipu.estimated == 6 and trainer.max_steps == 6
 
 
 class LoggedMetrics(pl.loggers.Logger):
