@@ -372,6 +372,22 @@ def test_sync_fetch_ahead_sees_the_dataset_changed_in_place_after_the_fetch():
     torch.testing.assert_close(y, torch.arange(4, 8))
 
 
+def test_a_dataset_of_inference_tensors_is_fetched_on_demand_and_sees_changes():
+    """Tensors made under torch.inference_mode (Lightning builds evaluation loaders there) have
+    no version counter to tell a change after a fetch ahead: their batches are fetched when taken."""
+    opts = Options()
+    with torch.inference_mode():
+        dataset = _samples(8)
+    model = inferenceModel(_SumModel(), opts)
+    iterator = iter(DataLoader(opts, dataset, batch_size=4))
+    x, y = next(iterator)
+    model(x, y)
+    with torch.inference_mode():
+        dataset.tensors[0].mul_(10)
+    x, y = next(iterator)
+    torch.testing.assert_close(x, torch.arange(40.0, 80.0, 10.0)[:, None, None].expand(4, 2, 3))
+
+
 def test_queued_fetches_neither_pile_up_nor_outlive_their_iterator(monkeypatch):
     events = []
     _recording_fetches(monkeypatch, events)

@@ -200,7 +200,8 @@ class DataLoader(torch.utils.data.DataLoader):
     def _sync_batches(self, ahead: bool = False) -> Iterator[Any]:
         """The combined batches, fetched by the thread that iterates them; with ``ahead``, a
         TensorDataset's are fetched one ahead, while the devices compute
-        (:class:`~ipu_backend.data.prefetch.FetchAhead`)."""
+        (:class:`~ipu_backend.data.prefetch.FetchAhead`), unless it holds inference tensors
+        (made under ``torch.inference_mode``), whose changes no version counter shows."""
         if self._rebatch_size is not None:
             return rebatch(super().__iter__(), self._rebatch_size, self._rebatch_drop_last)
         if self._combine is not None:
@@ -213,7 +214,7 @@ class DataLoader(torch.utils.data.DataLoader):
         torch.empty((), dtype=torch.int64).random_(generator=self.generator)
         tensors, positions = source
         selections = row_selections(positions, self.batch_sampler)
-        if ahead:
+        if ahead and not any(tensor.is_inference() for tensor in tensors):   # no version counters
             return FetchAhead(tensors, selections)
         return (gather(tensors, rows) for rows in selections)
 
