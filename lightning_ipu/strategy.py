@@ -79,6 +79,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.tuner.lr_finder import _LRCallback
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -502,7 +503,14 @@ class IPUStrategy(ParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """After the callbacks' ``on_train_batch_start``: the count ``batch_to_device`` moved for
-        them goes back (see ``_loop_progress.shift_batches_that_stepped``)."""
+        them goes back (see ``_loop_progress.shift_batches_that_stepped``). Refuses the learning-rate
+        finder (``Tuner.lr_find``, which runs inside the fit) where a batch is several optimizer steps."""
+        iterations = self._training_opts.device_iterations
+        if iterations > 1 and any(isinstance(callback, _LRCallback) for callback in self._trainer.callbacks):
+            raise MisconfigurationException(
+                f"Tuner.lr_find records one loss per batch, but each batch runs device_iterations={iterations} "
+                "optimizer steps at rising learning rates here: the finder would pair each loss with another "
+                "rate than the CPU's. Find the rate with IPUStrategy(device_iterations=1), then fit with more")
         if self._shifted_batch_start is not None:
             _loop_progress.shift_batches_that_stepped(self._trainer, -self._shifted_batch_start)
             self._shifted_batch_start = None

@@ -41,7 +41,7 @@ from ipu_backend.compiler import (
     transformer_modules,
 )
 from ipu_backend.compiler.custom_ops import NO_GRAD_UPDATE
-from ipu_backend.compiler.sources import traceback_location, user_location
+from ipu_backend.compiler.sources import calling_user_location, traceback_location, user_location
 from ipu_backend.errors import Error
 
 _TREESPEC_DEPRECATION = {"message": r"`isinstance\(treespec, LeafSpec\)` is deprecated", "category": FutureWarning}
@@ -101,6 +101,14 @@ class _LogRecorder:
         self.tensors.clear()
 
     def log(self, name, value, **kwargs):
+        traced = [key for key, given in kwargs.items()
+                  if isinstance(given, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool))]
+        if traced:
+            where = calling_user_location() or "unknown source line"
+            raise Error(f"self.log({name!r}, ..., {traced[0]}=...) at {where} is given a value computed "
+                        "from tensors (batch_idx, the batch, a .item()): a compiled step's keyword arguments "
+                        f"of self.log are read once, at capture. Give {traced[0]} a Python value (batch_size="
+                        "len(x) is one), or log the value it should weight as a tensor of its own")
         if isinstance(value, torch.Tensor):
             self.calls.append(LogCall(name, kwargs))
             self.tensors.append(value)

@@ -3,6 +3,7 @@
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.tuner import Tuner
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import ipu_backend
@@ -100,3 +101,24 @@ def test_numpy_in_a_step_is_refused_naming_why():
     with pytest.raises(ipu_backend.Error, match=r"\.numpy\(\) reads a tensor's values into NumPy.*logged as the "
                                                 r"tensor itself\)\n\(while capturing the program, at .*test_errors"):
         fit(ReadsNumpy())
+
+
+class WeightsLogsByBatchIndex(Regressor):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("loss", loss, on_epoch=True, batch_size=1 + batch_idx % 2)
+        return loss
+
+
+def test_a_log_batch_size_computed_from_tensors_is_refused_naming_the_line():
+    with pytest.raises(ipu_backend.Error, match=r"self.log\('loss', ..., batch_size=...\) at .*test_errors.py:\d+: "
+                                                r"self.log\(.*read once, at capture"):
+        fit(WeightsLogsByBatchIndex())
+
+
+def test_the_learning_rate_finder_is_refused_with_several_optimizer_steps_per_batch():
+    trainer = pl.Trainer(accelerator="ipu", max_epochs=1, strategy=IPUStrategy(device_iterations=2), **QUIET)
+    with pytest.raises(MisconfigurationException, match=r"^Tuner.lr_find records one loss per batch, .*"
+                                                        r"IPUStrategy\(device_iterations=1\)"):
+        Tuner(trainer).lr_find(Regressor(), loader(dataset(64), 4), num_training=5)
