@@ -14,6 +14,7 @@ share its batches.
 
 import warnings
 
+from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 import ipu_backend
@@ -63,11 +64,42 @@ def to_ipu_dataloader(dataloader: object, options: ipu_backend.Options, stage: s
     if not training:                 # the short last batch is evaluated whole (_short_batches.py)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The batch sampler's .* do not divide")
-            return ipu_backend.DataLoader(options, dataloader.dataset, drop_last=False,
-                                          auto_distributed_partitioning=False, batch_sampler=batch_sampler, **kwargs)
+            loader = ipu_backend.DataLoader(options, dataloader.dataset, drop_last=False,
+                                            auto_distributed_partitioning=False, batch_sampler=batch_sampler, **kwargs)
+        if isinstance(batch_sampler, _IndexBatchSamplerWrapper):
+            # set past torch's guard: the loader keeps iterating the same batches
+            object.__setattr__(loader, "batch_sampler", _CallIndices(loader.batch_sampler, batch_sampler, factor))
+        return loader
     return ipu_backend.DataLoader(options, dataloader.dataset, drop_last=True, auto_distributed_partitioning=False,
                                   batch_sampler=_whole_micro_batches(batch_sampler, factor, stage),
                                   **kwargs)
+
+
+class _CallIndices(_IndexBatchSamplerWrapper):
+    """The dataset indices of each host call, where Lightning's prediction loop looks for each
+    batch's (``BasePredictionWriter``'s ``batch_indices``): the indices its wrapper of the user's
+    batch sampler saw, ``factor`` batches to a call. It iterates as ``batch_sampler``, the
+    loader's own, does."""
+
+    def __init__(self, batch_sampler, recorded: _IndexBatchSamplerWrapper, factor: int):
+        # not _IndexBatchSamplerWrapper's __init__: that would record the combined batches as one
+        self._batch_sampler, self._recorded, self._factor = batch_sampler, recorded, factor
+
+    @property
+    def seen_batch_indices(self) -> list[list[int]]:
+        seen, factor = self._recorded.seen_batch_indices, self._factor
+        return [[index for batch in seen[start:start + factor] for index in batch]
+                for start in range(0, len(seen), factor)]
+
+    @property
+    def sampler(self):
+        return getattr(self._batch_sampler, "sampler", None)
+
+    def __iter__(self):
+        return iter(self._batch_sampler)
+
+    def __len__(self) -> int:
+        return len(self._batch_sampler)
 
 
 def _whole_micro_batches(batch_sampler, factor: int, stage: str):

@@ -93,6 +93,31 @@ def test_predictions_cover_every_sample():
     torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
 
 
+class Written(pl.callbacks.BasePredictionWriter):
+    """Each call's predictions with the dataset indices Lightning gives a prediction writer."""
+
+    def __init__(self):
+        super().__init__("batch")
+        self.rows = {}
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+        assert len(batch_indices) == len(prediction)
+        self.rows.update(zip(batch_indices, prediction))
+
+
+def test_a_prediction_writer_gets_each_predictions_dataset_index():
+    ipu, cpu = twins(Evaluated)
+    data = loader(dataset(SAMPLES, seed=2), BATCH, shuffle=True, generator=torch.Generator().manual_seed(1))
+    written = Written(), Written()
+    for module, accelerator, writer in zip((ipu, cpu), ("ipu", "cpu"), written):
+        run = trainer(accelerator)
+        run.callbacks.append(writer)
+        run.predict(module, data, return_predictions=False)
+    assert sorted(written[0].rows) == list(range(SAMPLES))
+    for index, row in written[1].rows.items():
+        torch.testing.assert_close(written[0].rows[index], row, rtol=RTOL, atol=ATOL)
+
+
 class IndexLogged(Evaluated):
     def test_step(self, batch, batch_idx):
         self.log("test_batch_idx", batch_idx * torch.ones(()))
