@@ -615,6 +615,7 @@ class IPUStrategy(ParallelStrategy):
         executor = self._every_micro_batch_executor(method)
         pieces_run, kept, kept_logs, per_sample, result = _short_batches.pieces(args[0], micro, factor), [], [], None, None
         done = 0                                   # micro-batches the pieces before ran
+        batch_sizes = {}                           # each real micro-batch's explicit self.log batch_size
         for piece in pieces_run:
             piece_args, adapt = self._with_counters(method, (piece.batch, *args[1:]), executor.options,
                                                     done // executor.options.replication_factor)
@@ -631,8 +632,11 @@ class IPUStrategy(ParallelStrategy):
             kept_logs.append(_short_batches.kept_logs(executor.last_logs, piece, factor))
             metrics = _metrics.update(self.lightning_module, program, kept_logs[-1], piece.real)
             _appends.extend(self.lightning_module, program, kept_logs[-1])
+            for call in program.logs:
+                if "batch_size" in call.kwargs:
+                    batch_sizes.setdefault(call.name, []).extend([call.kwargs["batch_size"]] * piece.real)
         self._log(program, _short_batches.merged_logs(kept_logs), metrics,
-                  _short_batches.micro_batch_weights(pieces_run))
+                  _short_batches.micro_batch_weights(pieces_run), batch_sizes=batch_sizes)
         return _short_batches.merged_result(result, kept, per_sample, pieces_run)
 
     def _every_micro_batch_executor(self, method: str) -> seam.PoplarExecutor:
@@ -797,7 +801,7 @@ class IPUStrategy(ParallelStrategy):
         return events.steps_per_training_step or 0, events.steps_taken
 
     def _log(self, program, logged: dict, metrics: dict, weights: torch.Tensor | None = None,
-             replicas: tuple[int, int] | None = None) -> None:
+             replicas: tuple[int, int] | None = None, batch_sizes: dict | None = None) -> None:
         """Hand each ``self.log`` of the compiled step to Lightning, with its concrete value (a
         torchmetrics object as itself, its state brought up to date by ``_metrics.update``);
         ``weights``: the size of each micro-batch the logged values come from, when they differ.
@@ -806,7 +810,10 @@ class IPUStrategy(ParallelStrategy):
         micro-batch returned, in order, its value reduced over the replicas: as the CPU's loop
         logs each batch, an ``on_epoch`` value is aggregated over every micro-batch, and the step
         value is the last one's. With several processes the values come from every process's
-        replicas already, so Lightning is not asked to reduce them again (``sync_dist``)."""
+        replicas already, so Lightning is not asked to reduce them again (``sync_dist``). In
+        evaluation a value logged with an explicit ``batch_size`` is logged once per micro-batch and
+        replica, each weighing the ``batch_size`` given there (``batch_sizes``: each micro-batch's,
+        where programs of several sizes ran), as the CPU logs each batch."""
         module = self.lightning_module
         synced = {"sync_dist": False} if self._processes > 1 else {}
         for call in program.logs:
@@ -814,6 +821,12 @@ class IPUStrategy(ParallelStrategy):
                 continue
             if call.metric is not None:
                 module.log(call.name, metrics[call.metric], **{**call.kwargs, **synced})
+                continue
+            if replicas is None and "batch_size" in call.kwargs:
+                values = logged[call.name].reshape(-1)
+                sizes = (batch_sizes or {}).get(call.name) or [call.kwargs["batch_size"]] * len(values)
+                for value, size in zip(values, sizes, strict=True):
+                    module.log(call.name, value, **{**call.kwargs, "batch_size": size, **synced})
                 continue
             reduce_fx = call.kwargs.get("reduce_fx", "mean")
             values = logged[call.name].reshape(1, -1) if replicas is None else _outputs.per_micro_batch(

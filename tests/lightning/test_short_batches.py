@@ -93,6 +93,23 @@ def test_predictions_cover_every_sample():
     torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
 
 
+class WeighsBatches(Evaluated):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        error = (self.net(x) - y).abs().mean()
+        self.log("each_batch_alike", error, batch_size=5)
+        self.log("by_twice_the_samples", error, batch_size=2 * len(x))
+        self.log("largest", error, batch_size=5, reduce_fx="max")
+
+
+def test_values_logged_with_an_explicit_batch_size_weigh_each_batch_as_on_the_cpu():
+    ipu, cpu = twins(WeighsBatches)
+    data = loader(dataset(SAMPLES, seed=2), BATCH)
+    got = trainer("ipu").validate(ipu, data, verbose=False)[0]
+    expected = trainer("cpu").validate(cpu, data, verbose=False)[0]
+    assert_same(got, expected, ["each_batch_alike", "by_twice_the_samples", "largest"])
+
+
 class Written(pl.callbacks.BasePredictionWriter):
     """Each call's predictions with the dataset indices Lightning gives a prediction writer."""
 
