@@ -51,6 +51,12 @@ def is_metric(value) -> bool:
     return defining is not None and isinstance(value, defining.Metric)
 
 
+def is_metric_collection(value) -> bool:
+    """Whether ``value`` is a torchmetrics ``MetricCollection`` (found as :func:`is_metric` does)."""
+    defining = sys.modules.get("torchmetrics.collections")
+    return defining is not None and isinstance(value, defining.MetricCollection)
+
+
 def metrics_of(module: torch.nn.Module) -> dict:
     """Path (as ``named_modules`` spells it) → the torchmetrics objects ``module`` holds."""
     return {name: m for name, m in module.named_modules() if is_metric(m)}
@@ -117,11 +123,18 @@ def lifted(module: torch.nn.Module):
     """Within: every metric of ``module`` (yielded by path) starts from its default state, with
     value checks off (``validate_args`` reads the data, which a traced step cannot) and updates in
     the step's grad mode; one whose state
-    cannot be carried raises a clear error when updated. On exit its attributes and bookkeeping are
-    as they were."""
+    cannot be carried raises a clear error when updated. A ``MetricCollection`` updates each of
+    its metrics on its own: its compute groups, which share states found equal after a first
+    update, would compare data, which a traced step cannot (each metric's own updates give the
+    same values). On exit their attributes and bookkeeping are as they were."""
     metrics = metrics_of(module)
+    collections = [m for m in module.modules() if is_metric_collection(m)]
     saved = {path: dict(metric.__dict__) for path, metric in metrics.items()}
+    saved_collections = [dict(collection.__dict__) for collection in collections]
     try:
+        for collection in collections:
+            collection._enable_compute_groups = collection._groups_checked = collection._state_is_copy = False
+            collection._groups = {index: [str(key)] for index, key in enumerate(collection.keys(keep_base=True))}
         for path, metric in metrics.items():
             for attribute, default in metric._defaults.items():
                 if isinstance(default, torch.Tensor):
@@ -143,6 +156,9 @@ def lifted(module: torch.nn.Module):
         for path, metric in metrics.items():
             metric.__dict__.clear()
             metric.__dict__.update(saved[path])
+        for collection, attributes in zip(collections, saved_collections):
+            collection.__dict__.clear()
+            collection.__dict__.update(attributes)
 
 
 def updated_states(metrics: dict) -> tuple[list[MetricState], list[torch.Tensor]]:

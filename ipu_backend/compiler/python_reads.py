@@ -319,8 +319,9 @@ def modes(module: torch.nn.Module) -> tuple[Read, ...]:
 
 
 def guarded_modules(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """``module``'s tree but torchmetrics objects and what they hold."""
-    metrics = [path + "." for path, m in module.named_modules() if metric_states.is_metric(m)]
+    """``module``'s tree but torchmetrics objects (metrics, collections) and what they hold."""
+    metrics = [path + "." for path, m in module.named_modules()
+               if metric_states.is_metric(m) or metric_states.is_metric_collection(m)]
     return [(path, m) for path, m in module.named_modules(remove_duplicate=True)
             if not any((path + ".").startswith(prefix) for prefix in metrics)]
 

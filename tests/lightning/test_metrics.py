@@ -76,6 +76,47 @@ def test_metric_objects_log_the_cpu_step_and_epoch_values_with_replicas_and_devi
     assert int(ipu.train_acc.tp.sum()) == int(cpu.train_acc.tp.sum()) == 0
 
 
+class Collected(Classifier):
+    """Metric collections: compute groups (precision and recall share their states on the CPU)
+    and a prefix, called in training and updated in validation."""
+
+    def __init__(self):
+        super().__init__()
+        scores = {"precision": torchmetrics.classification.MulticlassPrecision(3),
+                  "recall": torchmetrics.classification.MulticlassRecall(3),
+                  "acc": torchmetrics.classification.MulticlassAccuracy(3, average="macro")}
+        self.train_scores = torchmetrics.MetricCollection(scores, prefix="train_")
+        self.val_scores = self.train_scores.clone(prefix="val_")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        self.train_scores(logits, y)
+        self.log_dict(self.train_scores, on_step=True, on_epoch=True)
+        return F.cross_entropy(logits, y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_scores.update(self.net(x), y)
+        self.log_dict(self.val_scores)
+
+
+def test_metric_collections_log_the_cpu_values_with_replicas_and_device_iterations():
+    ipu, cpu = twins(Collected)
+    metrics = []
+    for module, flags, batch in ((ipu, dict(accelerator="ipu", devices=2,
+                                             strategy=IPUStrategy(device_iterations=2)), 4),
+                                 (cpu, dict(accelerator="cpu"), 8)):
+        trainer = pl.Trainer(max_epochs=2, num_sanity_val_steps=0, **flags, **QUIET)
+        trainer.fit(module, loader(classes(), batch), loader(classes(30, seed=1), batch))
+        metrics.append(trainer.callback_metrics)
+    assert_same_weights(ipu, cpu)
+    assert [sorted(group) for group in cpu.val_scores.compute_groups.values()] == [["acc", "precision", "recall"]]
+    for name in ("train_precision_step", "train_recall_step", "train_acc_epoch", "val_precision", "val_recall",
+                 "val_acc"):
+        torch.testing.assert_close(metrics[0][name], metrics[1][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 class CollectsPredictions(Classifier):
     def __init__(self):
         super().__init__()
