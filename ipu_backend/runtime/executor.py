@@ -21,6 +21,7 @@ from ipu_backend.errors import Error
 from ipu_backend.runtime import compile_hooks, host_optimizer, perf_counters, processes, program_cache
 from ipu_backend.runtime import replica_groups, serialization, variants
 from ipu_backend.runtime.compile_progress import CAPTURE, phase
+from ipu_backend.runtime.hyperparameters import HyperParameters, first_row
 from ipu_backend.runtime.lifecycle import (
     NO_EXECUTABLE,
     CompiledStep,
@@ -40,7 +41,6 @@ from ipu_backend.runtime.random_state import restore_random_state
 from ipu_backend.runtime.recording import SINGLE_IPU
 from ipu_backend.runtime.schedule import OUTPUT_MODE_NAMES, Schedule
 from ipu_backend.runtime.stages import has_blocks
-from ipu_backend.runtime.hyperparameters import HyperParameters, first_row
 from ipu_backend.runtime.replica_buffers import ReplicaBuffers
 from ipu_backend.runtime.step import OutputLayout, forward_with_constants, inference_call, initial_scaler
 from ipu_backend.runtime.step import master_copy, training_call
