@@ -36,11 +36,13 @@ class HyperParameters:
         self._matched = (rule, values)
         return True
 
-    def for_call(self, rule, optimizer, mesh, values: tuple, iterations: int | None, advance: bool = True):
+    def for_call(self, rule, optimizer, mesh, values: tuple, iterations: int | None, advance: bool = True,
+                 check: Callable[[], None] = lambda: None):
         """The hyper-parameters on the mesh: one set, rebuilt only when the param groups
         (``values``) changed (``setOptimizer``, a scheduler, a value set by hand); or, with
         ``iterations``, one row per device iteration, the schedulers stepped between rows only
-        for a call that runs (``advance``): compiling must not move them."""
+        for a call that runs (``advance``): compiling must not move them. ``check`` runs after
+        each of those steps (it refuses what the program holds constant and the step changed)."""
         if iterations is None:
             cached = self._read
             if cached is None or cached[0] is not rule or cached[1] != values:
@@ -51,6 +53,7 @@ class HyperParameters:
         for iteration in range(iterations):
             if iteration and advance:
                 self.step_schedulers()
+                check()
             rows.append(rule.hyperparameters(optimizer))
         return _placed(jax.tree.map(lambda *row: np.stack(row), *rows), mesh)
 

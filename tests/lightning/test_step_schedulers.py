@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+import ipu_backend
 from lightning_ipu import IPUStrategy
 from tests.lightning.helpers import QUIET, Recorder, Regressor, assert_same_weights, dataset, loader, twins
 
@@ -59,3 +60,17 @@ def test_a_scheduler_stepped_every_second_batch_is_stepped_once_per_call_and_war
         "optimizer steps all run at the learning rate it set")
     assert len(set(ipu_recorder.lrs)) > 3 and ipu_recorder.lrs != pytest.approx(cpu_recorder.lrs[1::2])
 
+
+
+class ReadsTheRate(OneCycle):
+    def training_step(self, batch, batch_idx):
+        self.log("lr", self.optimizers().param_groups[0]["lr"])
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_step_reading_a_rate_its_scheduler_changes_within_a_call_is_refused():
+    trainer = pl.Trainer(accelerator="ipu", max_epochs=1, strategy=IPUStrategy(device_iterations=2), **QUIET)
+    with pytest.raises(ipu_backend.Error, match=r"^the training_step reads SGD.param_groups\[0\]\['lr'\] \(.* -> "
+                                                r".*\), which the schedulers stepped between the optimizer steps of "
+                                                r"one call change: .*LearningRateMonitor"):
+        trainer.fit(ReadsTheRate(), loader(dataset(16), 4))
