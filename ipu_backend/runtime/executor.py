@@ -289,6 +289,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         self._optimizer = optimizer
         compiled = next(iter(self._compiled.values()), None)
         if type(old) is not type(optimizer) or (compiled is not None and not compiled.rule.matches(optimizer)):
+            self._optimizer_states_to_host()    # a state the new rule lacks stays there, as in torch
             self._compiled.clear()
             self._opt_state = None
 

@@ -262,18 +262,19 @@ class OptimizerRule:
     def state_to_torch(self, state: Mapping, optimizer: torch.optim.Optimizer) -> None:
         """Write ``state`` into ``optimizer.state`` as torch's own step would have left it, for
         each parameter of this rule's groups that the optimizer still holds, in whichever group
-        holds it now (``add_param_group`` may have changed them since the rule was built)."""
+        holds it now (``add_param_group`` may have changed them since the rule was built). Slots
+        this rule does not update stay, as torch's step leaves them (SGD's ``momentum_buffer``
+        while momentum is 0, taken up again when it returns)."""
         group_of = {id(param): group for group in optimizer.param_groups for param in group["params"]}
         for options, names, params in zip(self._group_options, self.member_groups, self._group_params):
             for name, param in zip(names, params):
                 if id(param) not in group_of:
                     continue          # left the optimizer, which no longer updates its state
                 slots = {slot: np.asarray(value) for slot, value in self._member_state(state, name).items()}
-                torch_state = self._to_torch(slots, group_of[id(param)], options)
+                torch_state = {**optimizer.state.get(param, {}),
+                               **self._to_torch(slots, group_of[id(param)], options)}
                 if torch_state:
                     optimizer.state[param] = torch_state
-                else:
-                    optimizer.state.pop(param, None)
 
     def state_from_torch(self, optimizer: torch.optim.Optimizer, params: Mapping[str, jax.Array]
                          ) -> dict:

@@ -96,3 +96,50 @@ def test_the_recompilation_warning_names_the_param_groups_as_what_changed():
     unfreeze_body(model, optimizer)
     with pytest.warns(UserWarning, match=r"^the optimizer's param groups changed since the last call"):
         training(x, y)
+
+
+def test_momentum_turned_off_and_on_again_takes_up_torchs_kept_buffer():
+    """torch's SGD leaves ``momentum_buffer`` in its state while momentum is 0 and uses it again
+    when momentum returns; setOptimizer after each change does the same."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    training = poptorch.trainingModel(model, poptorch.Options(), optimizer)
+    data = batches(6)
+    for phase, momentum in enumerate((0.9, 0.0, 0.9)):
+        for group in (*optimizer.param_groups, *reference_optimizer.param_groups):
+            group["momentum"] = momentum
+        if phase:
+            training.setOptimizer(optimizer)
+        for x, y in data[2 * phase:2 * phase + 2]:
+            training(x, y)
+            torch_step(reference, reference_optimizer, x, y)
+        kept = [sorted(state) for state in optimizer.state_dict()["state"].values()]
+        assert kept == [sorted(state) for state in reference_optimizer.state_dict()["state"].values()]
+        assert kept and all(state == ["momentum_buffer"] for state in kept)
+    training.copyWeightsToHost()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_a_new_optimizer_without_state_continues_the_ipus_state_as_in_poptorch():
+    """PopTorch keeps the optimizer state on the IPU and writes a new optimizer's only when it
+    holds some (a loaded checkpoint): a new SGD of the same layout continues the momentum."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    training = poptorch.trainingModel(model, poptorch.Options(), torch.optim.SGD(model.parameters(), lr=0.1,
+                                                                                  momentum=0.9))
+    data = batches(4)
+    for index, (x, y) in enumerate(data):
+        if index == 2:
+            training.setOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+            reference_optimizer.param_groups[0]["lr"] = 0.05       # the same state, a new rate
+        training(x, y)
+        torch_step(reference, reference_optimizer, x, y)
+    training.copyWeightsToHost()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=name)
