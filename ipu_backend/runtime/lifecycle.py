@@ -162,7 +162,8 @@ def first_micro_batch(args: tuple, schedule: Schedule) -> tuple:
                 f"multiple of Options.deviceIterations({schedule.device_iterations}) * {replicas} * "
                 f"Options.Training.gradientAccumulation({schedule.accumulation}) = "
                 f"{schedule.factor}; resize the batch (or use poptorch.DataLoader, which "
-                "builds combined batches of the right size)")
+                "builds combined batches of the right size, with drop_last=True, its default, where "
+                "the dataset does not divide into them)")
         count = x.shape[0] // schedule.factor
         return x if count == x.shape[0] else x[:count].clone()
 
