@@ -76,6 +76,7 @@ from lightning.fabric.utilities.data import sized_len
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.rank_zero import rank_zero_only as utils_rank_zero_only
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.callbacks import WeightAveraging
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
@@ -428,6 +429,8 @@ class IPUStrategy(ParallelStrategy):
                 f"Trainer(max_steps={trainer.max_steps}) is not a multiple of device_iterations="
                 f"{iterations}: each batch runs {iterations} optimizer steps on the IPUs, so training "
                 f"could only stop after {-(-trainer.max_steps // iterations) * iterations}")
+        if iterations > 1:
+            _refuse_averaging_inside_calls(trainer, iterations)
         if iterations > 1 and trainer.log_every_n_steps % iterations and iterations % trainer.log_every_n_steps:
             warnings.warn(f"log_every_n_steps={trainer.log_every_n_steps} counts optimizer steps, which "
                           f"advance by device_iterations={iterations} per batch: metrics are logged when "
@@ -881,6 +884,28 @@ def _stage_methods(trainer) -> list[tuple[RunningStage, str]]:
     return {TrainerFn.VALIDATING: [(RunningStage.VALIDATING, "validation_step")],
             TrainerFn.TESTING: [(RunningStage.TESTING, "test_step")],
             TrainerFn.PREDICTING: [(RunningStage.PREDICTING, "predict_step")]}.get(fn, [])
+
+
+def _refuse_averaging_inside_calls(trainer, iterations: int) -> None:
+    """Refuse a ``WeightAveraging`` callback (EMA, SWA) that would average the weights after an
+    optimizer step inside a host call: the host sees them only after each call's last step."""
+    horizon = trainer.max_steps if trainer.max_steps > 0 else _AVERAGING_HORIZON
+    for callback in trainer.callbacks:
+        if not isinstance(callback, WeightAveraging):
+            continue
+        inside = next((step for step in range(horizon)
+                       if (step + 1) % iterations and callback.should_update(step_idx=step)), None)
+        if inside is not None:
+            raise MisconfigurationException(
+                f"{type(callback).__name__} averages the weights after optimizer step {inside + 1}, inside a "
+                f"batch of device_iterations={iterations} optimizer steps: the host sees the weights once per "
+                "batch, after its last step, so the average would leave the others out. Average per epoch "
+                "(update_every_n_steps=0, update_starting_at_epoch=...), make should_update true only where "
+                f"(step_idx + 1) % {iterations} == 0, or run one optimizer step per batch")
+
+
+_AVERAGING_HORIZON = 100_000
+"""Optimizer steps whose ``should_update`` is asked when ``max_steps`` does not bound the fit."""
 
 
 def _ipus_per_replica(module: torch.nn.Module) -> int:
