@@ -53,17 +53,24 @@ def classes(n=64, seed=0):
     return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long())
 
 
-def test_metric_objects_log_the_cpu_step_and_epoch_values_with_replicas_and_device_iterations():
-    ipu, cpu = twins(Classifier)
+def fit_on_both(ipu, cpu, validation_samples: int, make_callbacks=list) -> list:
+    """``(trainer, callbacks)`` of the same two-epoch fit on 2 replicas x 2 device iterations
+    (batches of 4) and on the CPU (batches of 8)."""
     runs = []
     for module, flags, batch in ((ipu, dict(accelerator="ipu", devices=2,
                                              strategy=IPUStrategy(device_iterations=2)), 4),
                                  (cpu, dict(accelerator="cpu"), 8)):
-        steps = StepValues()
-        trainer = pl.Trainer(max_epochs=2, callbacks=[steps], num_sanity_val_steps=0, **flags, **QUIET)
-        trainer.fit(module, loader(classes(), batch), loader(classes(32, seed=1), batch))
-        runs.append((trainer, steps.values))
-    (ipu_trainer, ipu_steps), (cpu_trainer, cpu_steps) = runs
+        callbacks = make_callbacks()
+        trainer = pl.Trainer(max_epochs=2, callbacks=callbacks, num_sanity_val_steps=0, **flags, **QUIET)
+        trainer.fit(module, loader(classes(), batch), loader(classes(validation_samples, seed=1), batch))
+        runs.append((trainer, callbacks))
+    return runs
+
+
+def test_metric_objects_log_the_cpu_step_and_epoch_values_with_replicas_and_device_iterations():
+    ipu, cpu = twins(Classifier)
+    (ipu_trainer, [ipu_steps]), (cpu_trainer, [cpu_steps]) = fit_on_both(ipu, cpu, 32, lambda: [StepValues()])
+    ipu_steps, cpu_steps = ipu_steps.values, cpu_steps.values
     assert_same_weights(ipu, cpu)
     assert len(ipu_steps) * 2 == len(cpu_steps) == 16
     # an IPU batch is two optimizer steps: its step value is the last step's, as on the CPU
@@ -103,13 +110,7 @@ class Collected(Classifier):
 
 def test_metric_collections_log_the_cpu_values_with_replicas_and_device_iterations():
     ipu, cpu = twins(Collected)
-    metrics = []
-    for module, flags, batch in ((ipu, dict(accelerator="ipu", devices=2,
-                                             strategy=IPUStrategy(device_iterations=2)), 4),
-                                 (cpu, dict(accelerator="cpu"), 8)):
-        trainer = pl.Trainer(max_epochs=2, num_sanity_val_steps=0, **flags, **QUIET)
-        trainer.fit(module, loader(classes(), batch), loader(classes(30, seed=1), batch))
-        metrics.append(trainer.callback_metrics)
+    metrics = [trainer.callback_metrics for trainer, _ in fit_on_both(ipu, cpu, 30)]
     assert_same_weights(ipu, cpu)
     assert [sorted(group) for group in cpu.val_scores.compute_groups.values()] == [["acc", "precision", "recall"]]
     for name in ("train_precision_step", "train_recall_step", "train_acc_epoch", "val_precision", "val_recall",
