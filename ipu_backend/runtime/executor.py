@@ -14,14 +14,14 @@ import torch.utils._pytree as torch_pytree
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ipu_backend.compiler import compile_module, float32_precision, python_reads
+from ipu_backend.compiler import compile_module, float32_precision
 from ipu_backend.compiler.capture import host_known_input
 from ipu_backend.compiler.lowering_options import current_options
 from ipu_backend.errors import Error
 from ipu_backend.runtime import compile_hooks, host_optimizer, perf_counters, processes, program_cache
 from ipu_backend.runtime import replica_groups, serialization, variants
 from ipu_backend.runtime.compile_progress import CAPTURE, phase
-from ipu_backend.runtime.hyperparameters import HyperParameters, first_row
+from ipu_backend.runtime.hyperparameters import HyperParameters, first_row, refuse_reads_changed
 from ipu_backend.runtime.lifecycle import (
     NO_EXECUTABLE,
     CompiledStep,
@@ -453,7 +453,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
         if self._training:
             iterations = schedule.device_iterations if schedule.hyperparameters_per_iteration else None
             hyper = self._hypers.for_call(compiled.rule, self._optimizer, mesh, groups, iterations, advance,
-                                          lambda: self._refuse_reads_changed_within(compiled))
+                                          lambda: refuse_reads_changed(compiled.program, self._step_method))
             state.update(opt=self._optimizer_state(compiled.rule, params),
                          scaler=self._scaler_state(compiled.rule, first_row(hyper, schedule)))
         if mesh is not None and not self._is_resident(state):
@@ -462,17 +462,6 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             if rows is not None:
                 state["buffers"] = rows
         return (state, inputs, hyper, key, index) if self._training else (state, inputs, key, index)
-
-    def _refuse_reads_changed_within(self, compiled: CompiledStep) -> None:
-        """Refuse a value the program was captured with (a learning rate the step reads) that the
-        schedulers stepped between the call's optimizer steps changed: later steps see the old one."""
-        changes = python_reads.changed(compiled.program.python_reads)
-        if changes:
-            described = ", ".join(python_reads.described(read, value) for read, value in changes)
-            raise Error(f"the {self._step_method or 'model'} reads {described}, which the schedulers "
-                        "stepped between the optimizer steps of one call change: each step would see the "
-                        "value of the call's first. Read it on the host (Lightning's LearningRateMonitor, "
-                        "on_train_batch_end) or run one optimizer step per call (device_iterations=1)")
 
     def _offloads_optimizer_state(self, compiled: CompiledStep) -> bool:
         """``setOptimizerLocation(...useOnChipStorage(False))`` on one IPU: between calls the

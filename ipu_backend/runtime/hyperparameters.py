@@ -12,6 +12,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from ipu_backend.compiler import python_reads
+from ipu_backend.errors import Error
 from ipu_backend.runtime import processes
 
 
@@ -56,6 +58,18 @@ class HyperParameters:
                 check()
             rows.append(rule.hyperparameters(optimizer))
         return _placed(jax.tree.map(lambda *row: np.stack(row), *rows), mesh)
+
+
+def refuse_reads_changed(program, step_method: str | None) -> None:
+    """Refuse a value ``program`` was captured with (a learning rate the step reads) that the
+    schedulers stepped between a call's optimizer steps changed: later steps would see the old one."""
+    changes = python_reads.changed(program.python_reads)
+    if changes:
+        described = ", ".join(python_reads.described(read, value) for read, value in changes)
+        raise Error(f"the {step_method or 'model'} reads {described}, which the schedulers stepped between "
+                    "the optimizer steps of one call change: each step would see the value of the call's "
+                    "first. Read it on the host (Lightning's LearningRateMonitor, on_train_batch_end) or run "
+                    "one optimizer step per call (device_iterations=1)")
 
 
 def first_row(hyper, schedule):
