@@ -3,13 +3,12 @@
 One host call runs ``device_iterations`` optimizer steps, but Lightning's loop counts one per
 batch: the extra steps are added to the loop's optimizer-step progress (``trainer.global_step``)
 and to the batches that stepped (where the step loggers record), which the callbacks'
-``on_train_batch_start`` see at the call's last step; while the optimizers are configured,
-the estimated stepping batches count optimizer steps. These are Lightning internals, checked against the
-Lightning version by ``_lightning_hooks.check_version``.
+``on_train_batch_start`` see at the call's last step; while the optimizers are configured, the
+trainer counts as on the CPU. These are Lightning internals, checked against the Lightning
+version by ``_lightning_hooks.check_version``.
 """
 
 import contextlib
-import fractions
 
 
 def count_extra_optimizer_steps(trainer, optimizer_steps: int, batches: int) -> None:
@@ -28,18 +27,35 @@ def count_extra_optimizer_steps(trainer, optimizer_steps: int, batches: int) -> 
 
 
 @contextlib.contextmanager
-def stepping_batches_in_optimizer_steps(trainer, iterations: int):
-    """``trainer.estimated_stepping_batches`` in optimizer steps inside the block, as on the CPU:
-    ``configure_optimizers`` reads it to size a schedule stepped after every optimizer step. It
-    divides the epochs' batches (host calls of ``iterations`` optimizer steps here) by
-    ``accumulate_grad_batches``, which the block makes the exact fraction ``1/iterations``."""
-    saved = trainer.accumulate_grad_batches
-    if iterations > 1:
-        trainer.accumulate_grad_batches = fractions.Fraction(1, iterations)
+def counted_as_on_the_cpu(trainer, iterations: int, accumulation: int):
+    """While the block runs (``configure_optimizers``), the trainer counts as on the CPU:
+    ``accumulate_grad_batches`` is the user's ``accumulation`` (the loop sees 1 otherwise, the IPUs
+    accumulating inside each call), and ``estimated_stepping_batches``, which sizes a schedule
+    stepped after every optimizer step, counts optimizer steps, ``iterations`` per host call where
+    Lightning's count would give calls. The trainer is an instance of a subclass for the block."""
+    if iterations == 1 and accumulation == 1:
+        yield
+        return
+    original, loop_accumulation = type(trainer), trainer.accumulate_grad_batches
+
+    class CountingOptimizerSteps(original):
+        @property
+        def estimated_stepping_batches(self) -> int | float:
+            if self.max_epochs == -1:
+                return float("inf") if self.max_steps == -1 else self.max_steps
+            if self.train_dataloader is None:
+                self.fit_loop.setup_data()
+            calls = self.num_training_batches
+            if calls == float("inf"):
+                return self.max_steps
+            steps = calls * iterations * max(self.max_epochs, 1)
+            return steps if self.max_steps == -1 else min(steps, self.max_steps)
+
+    trainer.__class__, trainer.accumulate_grad_batches = CountingOptimizerSteps, accumulation
     try:
         yield
     finally:
-        trainer.accumulate_grad_batches = saved
+        trainer.__class__, trainer.accumulate_grad_batches = original, loop_accumulation
 
 
 def shift_batches_that_stepped(trainer, batches: int) -> None:

@@ -396,8 +396,8 @@ class IPUStrategy(ParallelStrategy):
         self._inference_opts = self._resolve_options(self._user_inference_opts, trainer, training=False)
         self.parallel_devices = [self.root_device] * self.replicas
         self._executors = {}
-        with _loop_progress.stepping_batches_in_optimizer_steps(
-                trainer, self._training_opts.device_iterations if fitting else 1):
+        with _loop_progress.counted_as_on_the_cpu(trainer, self._training_opts.device_iterations if fitting else 1,
+                                                  self._accumulate_grad_batches if fitting else 1):
             super().setup(trainer)
         if fitting:
             self._check_training(trainer)

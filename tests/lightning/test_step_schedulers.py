@@ -1,6 +1,6 @@
 """Schedulers with ``interval="step"`` under device iterations: stepped between the optimizer
-steps of a call, so each step runs at the CPU's rate; sized by ``estimated_stepping_batches``,
-which counts optimizer steps as on the CPU."""
+steps of a call, so each step runs at the CPU's rate; sized in ``configure_optimizers`` by
+``estimated_stepping_batches`` and ``accumulate_grad_batches``, which read as on the CPU."""
 
 import warnings
 
@@ -22,6 +22,7 @@ class OneCycle(Regressor):
 
     def configure_optimizers(self):
         self.estimated = self.trainer.estimated_stepping_batches
+        self.accumulation = self.trainer.accumulate_grad_batches
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
         scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=self.estimated)
         return [optimizer], [{"scheduler": scheduler, "interval": "step", "frequency": self.frequency}]
@@ -47,6 +48,7 @@ def _fits(iterations: int, devices: int = 1, accumulation: int = 1, frequency: i
 def test_each_optimizer_step_of_a_call_runs_at_the_rate_of_the_cpu(iterations, devices, accumulation):
     (ipu, ipu_recorder), (cpu, cpu_recorder), warned = _fits(iterations, devices, accumulation)
     assert ipu.estimated == cpu.estimated == 24 // accumulation
+    assert ipu.accumulation == cpu.accumulation == accumulation
     assert not warned
     assert_same_weights(ipu, cpu)
     batches = iterations * accumulation                  # the CPU's batches per call
