@@ -560,7 +560,8 @@ class Executor:
             if states is None or self._opt_states_on_host:
                 return
             for rule, state, optimizer in zip(self._state_rules, jax.device_get(states), self._torch_optimizers()):
-                with host_optimizer.writing_device_state(optimizer):
+                # plain tensors even when asked under inference_mode: their versions tell host writes
+                with host_optimizer.writing_device_state(optimizer), torch.inference_mode(False):
                     rule.state_to_torch(state, optimizer)
             self._opt_states_on_host = True
 

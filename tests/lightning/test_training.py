@@ -286,3 +286,14 @@ def test_numbers_read_with_item_log_the_tensors_values():
     (ipu_trainer, _), (cpu_trainer, _) = fit_pair(ipu, cpu, 8, 8, max_epochs=1)
     assert_same_weights(ipu, cpu)
     assert_same_metrics(ipu_trainer.callback_metrics, cpu_trainer.callback_metrics, ["loss_item", "close"])
+
+
+def test_a_throughput_monitor_reading_the_module_under_inference_mode_trains_as_on_the_cpu():
+    """ThroughputMonitor reads the module inside torch.inference_mode, which brings the optimizer
+    state to the host there: it must stay made of tensors whose versions show host writes."""
+    ipu, cpu = twins()
+    for module, accelerator in ((ipu, "ipu"), (cpu, "cpu")):
+        monitor = pl.callbacks.ThroughputMonitor(batch_size_fn=lambda batch: batch[0].size(0))
+        pl.Trainer(accelerator=accelerator, devices=1, max_epochs=2, callbacks=[monitor], **QUIET).fit(
+            module, loader(dataset(16), 4))
+    assert_same_weights(ipu, cpu)
