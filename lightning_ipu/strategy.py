@@ -180,6 +180,10 @@ class IPUStrategy(ParallelStrategy):
         self._trainer = None
         self._accumulate_grad_batches: int | None = None
         self._shifted_batch_start: int | None = None
+        self._hyperparameters_at_batch_start = self._hyperparameters_after_step = None
+        """``_hyperparameters_now()`` when the training batch began, and after its optimizer step."""
+        self._in_optimizer_step = False
+        """Whether Lightning's optimizer.step() is running (automatic optimization's closure runs there)."""
         self._num_nodes = 1
         self._rank, self._processes = 0, 1
         self._compilations_shown = contextlib.ExitStack()
@@ -418,6 +422,11 @@ class IPUStrategy(ParallelStrategy):
         if is_overridden("backward", module):
             warnings.warn(f"{type(module).__name__}.backward is overridden but not called: on IPUs "
                           "the backward pass is part of the compiled training step", stacklevel=3)
+        if is_overridden("optimizer_zero_grad", module) and module.automatic_optimization:
+            warnings.warn(f"{type(module).__name__}.optimizer_zero_grad is overridden but changes nothing: "
+                          "on IPUs each optimizer step starts from zero gradients inside the compiled step, "
+                          "so gradients kept over batches are not summed; accumulate them with "
+                          "Trainer(accumulate_grad_batches=...)", stacklevel=3)
 
     def _check_training(self, trainer) -> None:
         if any(isinstance(optimizer, torch.optim.LBFGS) for optimizer in self.optimizers):
@@ -501,6 +510,9 @@ class IPUStrategy(ParallelStrategy):
         if self._shifted_batch_start is None and self._trainer is not None and self._trainer.training:
             self._shifted_batch_start = self._training_opts.device_iterations - 1
             _loop_progress.shift_batches_that_stepped(self._trainer, self._shifted_batch_start)
+            self._refuse_hyperparameters_set_once_per_batch(self._hyperparameters_after_step,
+                                                            "after its optimizer step")
+            self._hyperparameters_at_batch_start = self._hyperparameters_now()
         return self.precision_plugin.convert_input(batch)
 
     @override
@@ -537,6 +549,12 @@ class IPUStrategy(ParallelStrategy):
                 "GradientAccumulationScheduler?): the IPUs accumulate inside each host call, over the "
                 f"gradient_accumulation={self._training_opts.Training.gradient_accumulation} micro-batches fixed "
                 "when the fit started. Set Trainer(accumulate_grad_batches=...) once, or fit in stages")
+        if self.lightning_module.automatic_optimization and not self._in_optimizer_step:
+            raise MisconfigurationException(
+                "the training step's closure ran without optimizer.step() (an optimizer_step override that "
+                "calls optimizer_closure() but skips the step?): on IPUs the closure runs the whole compiled "
+                "step, update included, so the weights would change where the CPU's do not. Return None "
+                "from training_step to skip a batch, or call optimizer.step(closure=optimizer_closure)")
         with self.precision_plugin.train_step_context():
             output = self._run("training_step", args, kwargs)
         iterations = self._training_opts.device_iterations
@@ -569,9 +587,38 @@ class IPUStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         """The IPUs' step runs in the closure, but the step of an epoch without backward is
         Lightning's own, on the host (``_skipped_backward.py``)."""
-        if not _skipped_backward.skips_backward(self._trainer):
+        if _skipped_backward.skips_backward(self._trainer):
+            return self.precision_plugin.host_optimizer_step(optimizer, model or self.lightning_module, closure)
+        self._refuse_hyperparameters_set_once_per_batch(self._hyperparameters_at_batch_start, "before its step")
+        self._in_optimizer_step = True
+        try:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        return self.precision_plugin.host_optimizer_step(optimizer, model or self.lightning_module, closure)
+        finally:
+            self._in_optimizer_step = False
+            self._hyperparameters_after_step = self._hyperparameters_now()
+
+    def _hyperparameters_now(self) -> tuple[list[dict], list]:
+        """The optimizers' numeric param-group values, and the schedulers' step counts."""
+        return (_hyperparameters(self.optimizers),
+                [getattr(config.scheduler, "last_epoch", None) for config in self.lr_scheduler_configs])
+
+    def _refuse_hyperparameters_set_once_per_batch(self, since: tuple | None, when: str) -> None:
+        """Refuse a hyper-parameter the user's hooks set since ``since`` (a warm-up in
+        ``on_train_batch_start`` or ``optimizer_step``, a change no scheduler made) where a batch runs
+        several optimizer steps: it takes effect once for all of them."""
+        iterations = self._training_opts.device_iterations
+        if iterations == 1 or since is None or not self.lightning_module.automatic_optimization:
+            return
+        (before, steps), (now, steps_now) = since, self._hyperparameters_now()
+        if now == before or steps_now != steps or len(now) != len(before):
+            return
+        changed = next(f"param_groups[{index}][{key!r}] ({old[key]} -> {new.get(key)})"
+                       for index, (old, new) in enumerate(zip(before, now)) for key in old if old[key] != new.get(key))
+        raise MisconfigurationException(
+            f"the optimizer's {changed} was set {when} by the training hooks (on_train_batch_start, "
+            f"optimizer_step), once per batch of device_iterations={iterations} optimizer steps, where the CPU "
+            "sets it between each. Use an LR scheduler with interval='step' (stepped between a call's steps, "
+            "as on the CPU) or device_iterations=1")
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -906,6 +953,12 @@ def _refuse_averaging_inside_calls(trainer, iterations: int) -> None:
 
 _AVERAGING_HORIZON = 100_000
 """Optimizer steps whose ``should_update`` is asked when ``max_steps`` does not bound the fit."""
+
+
+def _hyperparameters(optimizers) -> list[dict]:
+    """Each param group's numeric values (learning rate, momentum, ...) of ``optimizers``."""
+    return [{key: value for key, value in group.items() if isinstance(value, (int, float))}
+            for optimizer in optimizers for group in optimizer.param_groups]
 
 
 def _ipus_per_replica(module: torch.nn.Module) -> int:

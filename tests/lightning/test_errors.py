@@ -8,7 +8,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import ipu_backend
 from lightning_ipu import IPUStrategy
-from tests.lightning.helpers import QUIET, Regressor, dataset, loader
+from tests.lightning.helpers import QUIET, Regressor, assert_same_weights, dataset, loader, twins
 
 
 def fit(module, data=None, batch_size=4, **flags):
@@ -122,3 +122,46 @@ def test_the_learning_rate_finder_is_refused_with_several_optimizer_steps_per_ba
     with pytest.raises(MisconfigurationException, match=r"^Tuner.lr_find records one loss per batch, .*"
                                                         r"IPUStrategy\(device_iterations=1\)"):
         Tuner(trainer).lr_find(Regressor(), loader(dataset(64), 4), num_training=5)
+
+
+class SkipsTheStep(Regressor):
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        optimizer_closure()
+
+
+def test_a_closure_run_without_the_optimizer_step_is_refused():
+    with pytest.raises(MisconfigurationException, match=r"^the training step's closure ran without optimizer.step\(\)"):
+        fit(SkipsTheStep())
+
+
+class WarmsUpInOptimizerStep(Regressor):
+    """Lightning's documented warm-up: the learning rate set after each optimizer step."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        optimizer.step(closure=optimizer_closure)
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1 * min(1.0, (self.trainer.global_step + 1) / 4)
+
+
+def test_a_warm_up_set_once_per_batch_of_several_optimizer_steps_is_refused():
+    with pytest.raises(MisconfigurationException, match=r"^the optimizer's param_groups\[0\]\['lr'\] \(.*\) was set "
+                                                        r"after its optimizer step by the training hooks"):
+        fit(WarmsUpInOptimizerStep(), strategy=IPUStrategy(device_iterations=2), max_steps=4)
+
+
+def test_a_warm_up_in_optimizer_step_trains_as_on_the_cpu_with_one_step_per_batch():
+    ipu, cpu = twins(WarmsUpInOptimizerStep)
+    pl.Trainer(accelerator="cpu", max_steps=6, **QUIET).fit(cpu, loader(dataset(), 4))
+    fit(ipu, max_steps=6)
+    assert_same_weights(ipu, cpu)
+
+
+class KeepsGradients(Regressor):
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        if batch_idx % 2 == 0:
+            optimizer.zero_grad()
+
+
+def test_an_optimizer_zero_grad_override_is_warned_of():
+    with pytest.warns(UserWarning, match=r"KeepsGradients.optimizer_zero_grad is overridden but changes nothing"):
+        fit(KeepsGradients())
