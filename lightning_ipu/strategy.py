@@ -597,20 +597,22 @@ class IPUStrategy(ParallelStrategy):
             self._in_optimizer_step = False
             self._hyperparameters_after_step = self._hyperparameters_now()
 
-    def _hyperparameters_now(self) -> tuple[list[dict], list]:
-        """The optimizers' numeric param-group values, and the schedulers' step counts."""
+    def _hyperparameters_now(self) -> tuple[list[dict], tuple]:
+        """The optimizers' numeric param-group values; the schedulers' step counts and the epoch,
+        whose changes explain theirs (a scheduler's, a callback's at an epoch's start)."""
         return (_hyperparameters(self.optimizers),
-                [getattr(config.scheduler, "last_epoch", None) for config in self.lr_scheduler_configs])
+                (self._trainer.current_epoch,
+                 *(getattr(config.scheduler, "last_epoch", None) for config in self.lr_scheduler_configs)))
 
     def _refuse_hyperparameters_set_once_per_batch(self, since: tuple | None, when: str) -> None:
         """Refuse a hyper-parameter the user's hooks set since ``since`` (a warm-up in
-        ``on_train_batch_start`` or ``optimizer_step``, a change no scheduler made) where a batch runs
-        several optimizer steps: it takes effect once for all of them."""
+        ``on_train_batch_start`` or ``optimizer_step``: a change within an epoch that no scheduler
+        made) where a batch runs several optimizer steps: it takes effect once for all of them."""
         iterations = self._training_opts.device_iterations
         if iterations == 1 or since is None or not self.lightning_module.automatic_optimization:
             return
-        (before, steps), (now, steps_now) = since, self._hyperparameters_now()
-        if now == before or steps_now != steps or len(now) != len(before):
+        (before, explained), (now, explained_now) = since, self._hyperparameters_now()
+        if now == before or explained_now != explained or len(now) != len(before):
             return
         changed = next(f"param_groups[{index}][{key!r}] ({old[key]} -> {new.get(key)})"
                        for index, (old, new) in enumerate(zip(before, now)) for key in old if old[key] != new.get(key))
