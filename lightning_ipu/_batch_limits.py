@@ -34,7 +34,7 @@ def warn_if_fraction_splits_calls(trainer, stage: str, dataloader: object, calls
         ran, cpu = limited(fraction)
         return ran > 0 and min(ran * factor, batches) == cpu
 
-    if isinstance(limit, float) and not agrees(limit):
+    if isinstance(limit, float) and limit != 1.0 and not agrees(limit):   # 1.0: a dropped short batch, warned of
         ran, cpu = limited(limit)
         warnings.warn(f"{name}={limit} counts host calls on IPUs: it runs {ran} of the {calls} calls "
                       f"({min(ran * factor, batches)} of the loader's {batches} batches), where the "

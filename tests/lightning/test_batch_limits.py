@@ -85,3 +85,16 @@ def test_a_test_fraction_splitting_calls_is_warned_of():
     trainer = pl.Trainer(accelerator="ipu", devices=1, limit_test_batches=0.5, strategy=strategy, **QUIET)
     with pytest.warns(UserWarning, match=r"limit_test_batches=0.5 counts host calls on IPUs: it runs 2 of the 5 "):
         trainer.test(Regressor(), loader(dataset(40), 4))
+
+
+def test_the_whole_epoch_is_not_warned_of_as_a_fraction():
+    """limit_train_batches=1.0 with a loader whose 11 batches do not divide into calls of 2: the
+    loader warns of the batch it drops; the default limit is not warned of as a fraction."""
+    module = SampleCounter()
+    trainer = pl.Trainer(accelerator="ipu", devices=1, max_epochs=1, num_sanity_val_steps=0, limit_val_batches=0,
+                         strategy=IPUStrategy(device_iterations=2), **QUIET)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, loader(dataset(44), 4))
+    assert not [w for w in caught if "counts host calls" in str(w.message)]
+    assert module.trained == 40                                   # 5 calls of 2 batches; the 11th dropped
