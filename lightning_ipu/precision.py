@@ -117,14 +117,14 @@ class IPUPrecision(Precision):
         The hooks between the step and the update (``on_before_zero_grad``, ``on_after_backward``,
         ``on_before_optimizer_step``...) would see the updated weights where the CPU shows those
         the step used, so their reads of the weights are refused."""
+        # The update happens on the IPUs, in the closure: tell torch's LR schedulers, which otherwise
+        # warn that they step before the optimizer does (also those stepped inside the call).
+        optimizer._opt_called = True
         with seam.weight_reads_refused(model, _READ_BEFORE_THE_UPDATE):
             closure_result = closure()
             self._after_closure(model, optimizer)
         if self.shown_gradients is not None:
             self.shown_gradients.check_unchanged()
-        # The update happened on the IPUs: tell torch's LR schedulers, which otherwise warn that
-        # they step before the optimizer does.
-        optimizer._opt_called = True
         return closure_result
 
     def host_optimizer_step(self, optimizer, model, closure: Callable[[], Any]) -> Any:

@@ -822,8 +822,6 @@ class IPUStrategy(ParallelStrategy):
     def _step_schedulers_between_optimizer_steps(self) -> None:
         """Step them through the module's ``lr_scheduler_step`` hook, as Lightning does after the
         call's last optimizer step (the executor calls this after each of the others)."""
-        for optimizer in self.optimizers:
-            optimizer._opt_called = True       # stepped on the IPUs (see IPUPrecision.optimizer_step)
         for config in self._schedulers_per_optimizer_step():
             self.lightning_module.lr_scheduler_step(config.scheduler, None)
 
