@@ -510,9 +510,10 @@ class IPUStrategy(ParallelStrategy):
         if self._shifted_batch_start is None and self._trainer is not None and self._trainer.training:
             self._shifted_batch_start = self._training_opts.device_iterations - 1
             _loop_progress.shift_batches_that_stepped(self._trainer, self._shifted_batch_start)
-            self._refuse_hyperparameters_set_once_per_batch(self._hyperparameters_after_step,
+            now = self._hyperparameters_now()
+            self._refuse_hyperparameters_set_once_per_batch(self._hyperparameters_after_step, now,
                                                             "after its optimizer step")
-            self._hyperparameters_at_batch_start = self._hyperparameters_now()
+            self._hyperparameters_at_batch_start = now
         return self.precision_plugin.convert_input(batch)
 
     @override
@@ -589,7 +590,8 @@ class IPUStrategy(ParallelStrategy):
         Lightning's own, on the host (``_skipped_backward.py``)."""
         if _skipped_backward.skips_backward(self._trainer):
             return self.precision_plugin.host_optimizer_step(optimizer, model or self.lightning_module, closure)
-        self._refuse_hyperparameters_set_once_per_batch(self._hyperparameters_at_batch_start, "before its step")
+        self._refuse_hyperparameters_set_once_per_batch(self._hyperparameters_at_batch_start,
+                                                        self._hyperparameters_now(), "before its step")
         self._in_optimizer_step = True
         try:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -597,25 +599,31 @@ class IPUStrategy(ParallelStrategy):
             self._in_optimizer_step = False
             self._hyperparameters_after_step = self._hyperparameters_now()
 
-    def _hyperparameters_now(self) -> tuple[list[dict], tuple]:
+    def _hyperparameters_now(self) -> tuple[list[dict], tuple] | None:
         """The optimizers' numeric param-group values; the schedulers' step counts and the epoch,
-        whose changes explain theirs (a scheduler's, a callback's at an epoch's start)."""
+        whose changes explain theirs (a scheduler's, a callback's at an epoch's start). None where
+        a batch is one optimizer step, or steps are the user's (manual optimization): not checked."""
+        if self._training_opts.device_iterations == 1 or not self.lightning_module.automatic_optimization:
+            return None
         return (_hyperparameters(self.optimizers),
                 (self._trainer.current_epoch,
                  *(getattr(config.scheduler, "last_epoch", None) for config in self.lr_scheduler_configs)))
 
-    def _refuse_hyperparameters_set_once_per_batch(self, since: tuple | None, when: str) -> None:
-        """Refuse a hyper-parameter the user's hooks set since ``since`` (a warm-up in
-        ``on_train_batch_start`` or ``optimizer_step``: a change within an epoch that no scheduler
-        made) where a batch runs several optimizer steps: it takes effect once for all of them."""
-        iterations = self._training_opts.device_iterations
-        if iterations == 1 or since is None or not self.lightning_module.automatic_optimization:
+    def _refuse_hyperparameters_set_once_per_batch(self, since: tuple | None, now: tuple | None,
+                                                   when: str) -> None:
+        """Refuse a hyper-parameter the user's hooks set between ``since`` and ``now``
+        (:meth:`_hyperparameters_now`: a warm-up in ``on_train_batch_start`` or ``optimizer_step``,
+        a change within an epoch that no scheduler made) where a batch runs several optimizer steps:
+        it takes effect once for all of them."""
+        if since is None or now is None:
             return
-        (before, explained), (now, explained_now) = since, self._hyperparameters_now()
-        if now == before or explained_now != explained or len(now) != len(before):
+        (before, explained), (after, explained_now) = since, now
+        if after == before or explained_now != explained or len(after) != len(before):
             return
         changed = next(f"param_groups[{index}][{key!r}] ({old[key]} -> {new.get(key)})"
-                       for index, (old, new) in enumerate(zip(before, now)) for key in old if old[key] != new.get(key))
+                       for index, (old, new) in enumerate(zip(before, after))
+                       for key in old if old[key] != new.get(key))
+        iterations = self._training_opts.device_iterations
         raise MisconfigurationException(
             f"the optimizer's {changed} was set {when} by the training hooks (on_train_batch_start, "
             f"optimizer_step), once per batch of device_iterations={iterations} optimizer steps, where the CPU "
