@@ -276,11 +276,13 @@ program's products are traced with them."""
 
 
 def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
-           decompose=None) -> torch.export.ExportedProgram:
+           decompose=None, complete=None) -> torch.export.ExportedProgram:
     """torch.export (non-strict) decomposed to core ATen, ``poptorch.for_loop`` bodies outlined,
     with errors a user can act on, and torch's float32 precision settings recorded on the graph
     module. ``decompose``: how the export is decomposed (:func:`decompose_to_core_aten` unless
-    given: a caller may take the decomposition from elsewhere)."""
+    given: a caller may take the decomposition from elsewhere). ``complete(exported)`` finishes
+    torch.export's program before it is checked and decomposed (``layer_calls`` puts held
+    weights back)."""
     precision = float32_precision.torch_setting()
     fused_losses.install(_CAPTURING.get)       # not torch.compile's tracing of a user's own code
     loss_checks.install(_CAPTURING.get)
@@ -340,7 +342,9 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     finally:
         hook.remove()
     if _mutated_attributes_as_buffers(target, exported, attributes):
-        return export(module, args, kwargs, decompose)
+        return export(module, args, kwargs, decompose, complete)
+    if complete is not None:
+        complete(exported)
     if target is not module:
         _Anchored.drop(exported)
     _refuse_mutated_constants(exported, type(module).__name__)

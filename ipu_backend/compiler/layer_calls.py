@@ -20,10 +20,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as torch_pytree
+from torch._guards import detect_fake_mode
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.nn.utils import stateless
 
-from ipu_backend.compiler import capture
+from ipu_backend.compiler import capture, layer_weights
 from ipu_backend.compiler.custom_ops import IDENTITY_LOSS
 from ipu_backend.errors import Error
 
@@ -32,7 +33,7 @@ TEMPLATE_KEY = "ipu_layer_template"
 
 
 @torch.library.custom_op("ipu_backend::repeated_layer", mutates_args=())
-def _repeated_layer(inputs: list[torch.Tensor], state: list[torch.Tensor], call: int) -> list[torch.Tensor]:
+def _repeated_layer(inputs: list[torch.Tensor], state: list[torch.Tensor], call: int, held: int) -> list[torch.Tensor]:
     raise Error("ipu_backend::repeated_layer stands in for a layer only while a model is captured")
 
 
@@ -145,13 +146,13 @@ _CAPTURE: contextvars.ContextVar["StandIns | None"] = contextvars.ContextVar("la
 
 
 @_repeated_layer.register_fake
-def _(inputs, state, call):
+def _(inputs, state, call, held):
     stand_ins = _CAPTURE.get()
     if stand_ins is None:
         raise Error("ipu_backend::repeated_layer was traced outside the capture that made it")
     layer_call = stand_ins.calls[call]
     if not layer_call.evaluated:
-        layer_call.fake_run(inputs, state)
+        layer_call.fake_run(inputs, state if held < 0 or state else stand_ins.fake_state(held, layer_call, inputs))
     return [meta.empty() for meta in layer_call.out_metas]
 
 
@@ -166,12 +167,18 @@ def _key_of(leaf):
 
 
 class StandIns:
-    """The layers of ``runs`` standing in as op calls while installed (see :meth:`installed`)."""
+    """The layers of ``runs`` standing in as op calls while installed (see :meth:`installed`).
+    Given the exported ``root``, the weights of the layers of each run but those in ``in_place``
+    are held out of the export while installed (``layer_weights``), and put back by
+    :meth:`complete`."""
 
-    def __init__(self, runs: list[tuple[torch.nn.Module, ...]]):
+    def __init__(self, runs: list[tuple[torch.nn.Module, ...]], root: torch.nn.Module | None = None,
+                 in_place: frozenset[int] = frozenset()):
         self.runs = runs
         self.calls: list[LayerCall] = []
         self._by_key: dict = {}
+        self._held = None if root is None else layer_weights.Held(root)
+        self._in_place = in_place
 
     @contextlib.contextmanager
     def installed(self):
@@ -179,17 +186,51 @@ class StandIns:
         patched = []
         try:
             for run_index, run in enumerate(self.runs):
-                for layer in run:
+                hold = (self._held is not None and run_index not in self._in_place
+                        and layer_weights.holdable(self._held.root, run))
+                for position, layer in enumerate(run):
                     if "forward" not in vars(layer):
-                        layer.forward = self._stand_in(run_index, run[0], layer)
+                        held = self._held.hold(run_index, layer) if hold and position else None
+                        layer.forward = self._stand_in(run_index, run[0], layer, held)
                         patched.append(layer)
             yield self
         finally:
+            if self._held is not None:
+                self._held.release()
             for layer in patched:
                 del layer.forward
             _CAPTURE.reset(token)
 
-    def _stand_in(self, run_index: int, first: torch.nn.Module, layer: torch.nn.Module):
+    def refused_holding(self) -> int | None:
+        """A run whose held weights the model's code read while installed (exported again with
+        its weights in place), else None."""
+        return self._held.refused[0] if self._held is not None and self._held.refused else None
+
+    def complete(self, exported: torch.export.ExportedProgram) -> None:
+        """Put the held weights back into ``exported`` (see ``layer_weights``): raises
+        :class:`~ipu_backend.compiler.layer_weights.NotHeld` where a held layer's call is inside
+        a nested graph (a ``torch.no_grad()`` block), whose inputs the weights would miss."""
+        if self._held is None or not self._held.layers:
+            return
+        if self._held.refused:       # the model's code caught the refusal
+            raise layer_weights.NotHeld(self._held.refused[0], "the model's code reads held weights")
+        calls = [node for node in exported.graph.nodes if node.target is REPEATED_LAYER and node.args[3] >= 0]
+        nested = [node for module in exported.graph_module.modules()
+                  if isinstance(module, torch.fx.GraphModule) and module is not exported.graph_module
+                  for node in module.graph.nodes if node.target is REPEATED_LAYER and node.args[3] >= 0]
+        if nested:
+            raise layer_weights.NotHeld(self.calls[nested[0].args[2]].run, "a layer is called in a nested graph")
+        self._held.put_back(exported, calls, lambda node: self.calls[node.args[2]].state_names)
+
+    def fake_state(self, held: int, call: LayerCall, inputs) -> list[torch.Tensor]:
+        """A held layer's weights as fake tensors of the export's, for a fake run of ``call``."""
+        fake_mode = detect_fake_mode(inputs)
+        if fake_mode is None:
+            raise layer_weights.NotHeld(call.run, "the layer takes no tensors")
+        tensors = self._held.layers[held]
+        return [fake_mode.from_tensor(tensors[name], static_shapes=True) for name in call.state_names]
+
+    def _stand_in(self, run_index: int, first: torch.nn.Module, layer: torch.nn.Module, held: int | None):
         parameters = inspect.signature(_original_forward(first))
 
         def forward(*args, **kwargs):
@@ -198,10 +239,12 @@ class StandIns:
             if bound.kwargs:         # keyword-only parameters: capture the layer inline
                 raise NotRepeatable(run_index, "the layer's forward takes keyword-only arguments")
             call = self._call(run_index, first, tuple(bound.args))
+            tensors = [leaf for leaf in torch_pytree.tree_leaves(tuple(bound.args)) if isinstance(leaf, torch.Tensor)]
+            if held is not None:     # no buffers: nothing to update after the call
+                return call.results(REPEATED_LAYER(tensors, [], call.index, held))
             named = dict(layer.named_parameters(remove_duplicate=False))
             named.update(layer.named_buffers(remove_duplicate=False))
-            tensors = [leaf for leaf in torch_pytree.tree_leaves(tuple(bound.args)) if isinstance(leaf, torch.Tensor)]
-            outputs = REPEATED_LAYER(tensors, [named[name] for name in call.state_names], call.index)
+            outputs = REPEATED_LAYER(tensors, [named[name] for name in call.state_names], call.index, -1)
             produced = len(outputs) - len(call.mutated)
             for name, value in zip(call.mutated, outputs[produced:]):
                 named[name].copy_(value)

@@ -21,6 +21,7 @@ from ipu_backend.compiler import (
     interpreter,
     layer_calls,
     layer_loops,
+    layer_weights,
     list_appends,
     metric_states,
     python_reads,
@@ -297,15 +298,20 @@ def _without_appended_lists(reads, logs) -> tuple:
 
 def _capture(target: torch.nn.Module, args: tuple, kwargs: dict, runs: list) -> tuple:
     """The export of ``target(*args, **kwargs)`` with the layers of ``runs`` standing in as calls,
-    and the template of each distinct call; a run whose layers cannot stand in is captured inline."""
+    and the template of each distinct call; a run whose layers cannot stand in is captured inline,
+    one whose weights the model's code reads with its weights in place (``layer_weights``)."""
+    in_place = frozenset()
     while True:
-        stand_ins = layer_calls.StandIns(runs)
+        stand_ins = layer_calls.StandIns(runs, target, in_place)
         try:
             with stand_ins.installed():
-                exported = capture.export(target, args, kwargs, _decompose)
+                exported = capture.export(target, args, kwargs, _decompose, stand_ins.complete)
             templates = [layer_calls.capture_template(call, _template_program, _decompose) for call in stand_ins.calls]
         except layer_calls.NotRepeatable as refusal:
             runs = [run for index, run in enumerate(runs) if index != refusal.run]
+            continue
+        except layer_weights.NotHeld as refusal:
+            in_place |= {refusal.run}
             continue
         return exported, templates
 

@@ -37,7 +37,7 @@ def run_template(template: Template, inputs, state, key) -> list:
 
 
 @lowering(REPEATED_LAYER)
-def repeated_layer(ctx, inputs, state, call):
+def repeated_layer(ctx, inputs, state, call, held):
     return run_template(ctx.node.meta[TEMPLATE_KEY], list(inputs), list(state), ctx.key())
 
 
