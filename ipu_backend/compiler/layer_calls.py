@@ -219,14 +219,14 @@ class StandIns:
                   if isinstance(module, torch.fx.GraphModule) and module is not exported.graph_module
                   for node in module.graph.nodes if node.target is REPEATED_LAYER and node.args[3] >= 0]
         if nested:
-            raise layer_weights.NotHeld(self.calls[nested[0].args[2]].run, "a layer is called in a nested graph")
+            self._held.refuse(self.calls[nested[0].args[2]].run, "a layer is called in a nested graph")
         self._held.put_back(exported, calls, lambda node: self.calls[node.args[2]].state_names)
 
     def fake_state(self, held: int, call: LayerCall, inputs) -> list[torch.Tensor]:
         """A held layer's weights as fake tensors of the export's, for a fake run of ``call``."""
         fake_mode = detect_fake_mode(inputs)
         if fake_mode is None:
-            raise layer_weights.NotHeld(call.run, "the layer takes no tensors")
+            self._held.refuse(call.run, "the layer takes no tensors")
         tensors = self._held.layers[held]
         return [fake_mode.from_tensor(tensors[name], static_shapes=True) for name in call.state_names]
 
@@ -234,6 +234,8 @@ class StandIns:
         parameters = inspect.signature(_original_forward(first))
 
         def forward(*args, **kwargs):
+            if torch.compiler.is_dynamo_compiling():      # a torch.cond branch, traced by torch's compiler
+                return _original_forward(layer)(*args, **kwargs)
             bound = parameters.bind(*args, **kwargs)
             bound.apply_defaults()
             if bound.kwargs:         # keyword-only parameters: capture the layer inline

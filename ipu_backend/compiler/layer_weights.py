@@ -62,8 +62,7 @@ class _HeldParameters(dict):
         self._held, self._run, self._names = held, run, frozenset(names)
 
     def _read(self):
-        self._held.refused.append(self._run)
-        raise NotHeld(self._run, "the model's code reads the parameters of a repeated layer")
+        self._held.refuse(self._run, "the model's code reads the parameters of a repeated layer")
 
     def _walked(self):
         if not _walked_by_export():
@@ -146,6 +145,12 @@ class Held:
             self._saved.append((module, saved))
             module.__dict__["_parameters"] = _HeldParameters(self, run_index, saved)
         return len(self.layers) - 1
+
+    def refuse(self, run: int, reason: str):
+        """Raise :class:`NotHeld` for run ``run``, noted in :attr:`refused` too: the code that
+        met it may catch it (the model's) or wrap it (torch's compiler, tracing a ``torch.cond``)."""
+        self.refused.append(run)
+        raise NotHeld(run, reason)
 
     def release(self) -> None:
         """Give each held module its parameters back."""

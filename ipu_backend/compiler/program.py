@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 import jax
 import torch
 import torch.utils._pytree as torch_pytree
-from torch._dynamo.exc import UncapturedHigherOrderOpError
+from torch._dynamo.exc import InternalTorchDynamoError, UncapturedHigherOrderOpError
 from torch.export.graph_signature import InputKind, OutputKind
 
 from ipu_backend.compiler import (
@@ -310,8 +310,11 @@ def _capture(target: torch.nn.Module, args: tuple, kwargs: dict, runs: list) -> 
         except layer_calls.NotRepeatable as refusal:
             runs = [run for index, run in enumerate(runs) if index != refusal.run]
             continue
-        except layer_weights.NotHeld as refusal:
-            in_place |= {refusal.run}
+        except (layer_weights.NotHeld, InternalTorchDynamoError):
+            refused = stand_ins.refused_holding()      # torch's compiler wraps a refusal in its error
+            if refused is None:
+                raise
+            in_place |= {refused}
             continue
         return exported, templates
 

@@ -125,3 +125,26 @@ def test_a_weight_tied_to_a_held_layer_is_one_parameter(held):
     assert_close(outputs[1], loss)
     for name, param in model.named_parameters():
         assert_close(grads[name], param.grad, name)
+
+
+class InABranch(TinyGPT):
+    """The blocks called in ``torch.cond``'s branches, which torch's compiler traces: inline."""
+
+    def forward(self, tokens, targets):
+        x = self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1]))
+        x = torch.cond(x.sum() > 0, lambda v: self.blocks(v), lambda v: self.blocks(v * 2), (x,))
+        logits = self.head(self.ln_f(x))
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_layers_called_in_a_cond_branch_equal_torch():
+    torch.manual_seed(7)
+    model, args = InABranch(4), gpt_batch()
+    logits, loss = model(*args)
+    loss.backward()
+    program = compile_module(model, args)
+    outputs, grads = jax_outputs_and_grads(program, model, args)
+    assert_close(outputs[0], logits)
+    assert_close(outputs[1], loss)
+    for name, param in model.named_parameters():
+        assert_close(grads[name], param.grad, name)
