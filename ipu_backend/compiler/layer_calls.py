@@ -1,8 +1,9 @@
 """Repeated layers captured once: while the model is captured, each layer of a run (see
 ``repeated_layers``) stands in as one call of the custom op ``ipu_backend::repeated_layer``,
-taking the layer's tensor inputs and its own parameters and buffers, so that capturing a model
-costs the same whatever its depth. Each distinct call (a run's layers with inputs of one shape)
-is then captured once on its own, as the *template* every call of it is lowered with
+taking the layer's tensor inputs and its own parameters and buffers (none, and which layer it
+is, where the layer's weights are held out of the export: ``layer_weights``), so that capturing
+a model costs the same whatever its depth. Each distinct call (a run's layers with inputs of one
+shape) is then captured once on its own, as the *template* every call of it is lowered with
 (``lowerings/layers.py``; ``layer_loops`` turns a chain of calls into one loop).
 
 The op's shapes come from running one layer's forward on fake tensors, once per distinct call.
