@@ -28,6 +28,20 @@ def held(monkeypatch):
     return counts
 
 
+def compiled_as_torch(model, args):
+    """``model``'s program, its outputs and gradients checked against torch eager's (a parameter
+    no gradient reaches, None in torch, zero in the program)."""
+    logits, loss = model(*args)
+    loss.backward()
+    program = compile_module(model, args)
+    outputs, grads = jax_outputs_and_grads(program, model, args)
+    assert_close(outputs[0], logits)
+    assert_close(outputs[1], loss)
+    for name, param in model.named_parameters():
+        assert_close(grads[name], torch.zeros_like(param) if param.grad is None else param.grad, name)
+    return program
+
+
 def encoder_batch():
     generator = torch.Generator().manual_seed(1)
     return torch.randn(4, 5, 16, generator=generator), torch.randint(0, 3, (4,), generator=generator)
@@ -92,16 +106,8 @@ class FrozenMiddle(TinyGPT):
 @pytest.mark.parametrize("make", [Penalized, ReadByName, Counted, FrozenMiddle])
 def test_code_reading_held_weights_is_exported_with_them(make, held):
     torch.manual_seed(3)
-    model, args = make(4), gpt_batch()
-    logits, loss = model(*args)
-    loss.backward()
-    program = compile_module(model, args)
+    compiled_as_torch(make(4), gpt_batch())
     assert held == [], "exported with the weights in place"
-    outputs, grads = jax_outputs_and_grads(program, model, args)
-    assert_close(outputs[0], logits)
-    assert_close(outputs[1], loss)
-    for name, param in model.named_parameters():       # torch leaves None where no gradient flows
-        assert_close(grads[name], torch.zeros_like(param) if param.grad is None else param.grad, name)
 
 
 class TiedToALayer(TinyGPT):
@@ -114,17 +120,10 @@ class TiedToALayer(TinyGPT):
 
 def test_a_weight_tied_to_a_held_layer_is_one_parameter(held):
     torch.manual_seed(5)
-    model, args = TiedToALayer(4), gpt_batch()
-    logits, loss = model(*args)
-    loss.backward()
-    program = compile_module(model, args)
+    model = TiedToALayer(4)
+    program = compiled_as_torch(model, gpt_batch())
     assert held == [3]
     assert [s.name for s in program.params] == [name for name, _ in model.named_parameters()]
-    outputs, grads = jax_outputs_and_grads(program, model, args)
-    assert_close(outputs[0], logits)
-    assert_close(outputs[1], loss)
-    for name, param in model.named_parameters():
-        assert_close(grads[name], param.grad, name)
 
 
 class InABranch(TinyGPT):
@@ -139,12 +138,4 @@ class InABranch(TinyGPT):
 
 def test_layers_called_in_a_cond_branch_equal_torch():
     torch.manual_seed(7)
-    model, args = InABranch(4), gpt_batch()
-    logits, loss = model(*args)
-    loss.backward()
-    program = compile_module(model, args)
-    outputs, grads = jax_outputs_and_grads(program, model, args)
-    assert_close(outputs[0], logits)
-    assert_close(outputs[1], loss)
-    for name, param in model.named_parameters():
-        assert_close(grads[name], param.grad, name)
+    compiled_as_torch(InABranch(4), gpt_batch())
