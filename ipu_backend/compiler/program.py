@@ -264,7 +264,8 @@ def compile_module(module: torch.nn.Module, example_args: tuple, method: str | N
         program = _build(module, exported, "module.", tuple(target.recorder.calls), keywords)
     guards = () if method is None else tuple(target.taken.guards)
     adapter_reads = () if method is None else tuple(target.taken.reads)
-    reads = (_without_appended_lists(reads, program.logs) + names + adapter_reads
+    reads = _without_appended_lists(reads, program.logs)
+    reads = (reads + python_reads.across_runs(reads, module, runs) + names + adapter_reads
              + python_reads.tensor_attributes(module) + (python_reads.HookGuard(module),))
     return replace(program, python_reads=reads, guards=guards, host_input=host_input if guards else None,
                    assignments=assignments)

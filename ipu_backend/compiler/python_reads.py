@@ -342,3 +342,21 @@ def recorded(module: torch.nn.Module):
             m.__class__ = type(m)._ipu_tracked_class
             notes = _NOTES.pop(id(m))
             reads.extend(Read(weakref.ref(m), path, name, value) for name, value in notes.items())
+
+
+def across_runs(reads: tuple[Read, ...], module: torch.nn.Module, runs) -> tuple[Read, ...]:
+    """For each read of the tree of a run's first layer (``runs``: ``repeated_layers``' runs of
+    ``module``), the same read of each later layer: a run is captured from its first layer, so
+    its program holds for the others only while their attributes are what the first one's were."""
+    paths = {id(m): path for path, m in module.named_modules()}
+    mirrored = []
+    for run in runs:
+        first = paths[id(run[0])]
+        for read in reads:
+            if read.path != first and not read.path.startswith(first + "."):
+                continue
+            for layer in run[1:]:
+                path = paths[id(layer)] + read.path[len(first):]
+                mirrored.append(Read(weakref.ref(module.get_submodule(path)), path, read.name, read.value))
+    return tuple(mirrored)
+

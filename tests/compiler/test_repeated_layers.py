@@ -477,3 +477,28 @@ def test_a_first_call_takes_the_weights_stacked_from_the_host(monkeypatch):
     model.copyWeightsToHost()
     for (name, p), q in zip(net.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=RTOL, atol=ATOL, msg=name)
+
+
+class ScaledBlock(GPTBlock):
+    """A block whose output is scaled by a plain attribute its forward reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = 1.0
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+def test_a_later_layers_attribute_changed_after_compiling_is_computed_with():
+    """The loop is captured from the first block: a later block's attribute is a guard too."""
+    torch.manual_seed(4)
+    net = TinyGPT(4)
+    net.blocks = nn.Sequential(*(ScaledBlock() for _ in range(4)))
+    reference = copy.deepcopy(net)
+    model = poptorch.inferenceModel(net)
+    args = gpt_batch()
+    torch.testing.assert_close(model(*args)[1], reference(*args)[1], rtol=RTOL, atol=ATOL)
+    for layer in (2, 0):
+        net.blocks[layer].scale = reference.blocks[layer].scale = 0.5 + layer
+        torch.testing.assert_close(model(*args)[1], reference(*args)[1], rtol=RTOL, atol=ATOL)
