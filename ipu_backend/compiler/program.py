@@ -243,11 +243,12 @@ def compile_module(module: torch.nn.Module, example_args: tuple, method: str | N
     with host_random.refused(module, method or "model's forward"):
         try:
             with python_reads.recorded(module) as reads:
-                exported, templates, assignments = _capture_forward(module, target, args, kwargs, runs, method)
+                exported, templates, looped, assignments = _capture_forward(module, target, args, kwargs, runs,
+                                                                            method)
         except UncapturedHigherOrderOpError:
             # torch.cond's branches are traced by torch's compiler, which cannot run the classes
             # that note reads: capture again unnoted, guarded by every plain attribute.
-            exported, templates, assignments = _capture_forward(module, target, args, kwargs, runs, method)
+            exported, templates, looped, assignments = _capture_forward(module, target, args, kwargs, runs, method)
             reads = python_reads.every_attribute(module)
     end = time.time()
     jax.monitoring.record_event_duration_secs(CAPTURE_EVENT, end - start)
@@ -265,7 +266,7 @@ def compile_module(module: torch.nn.Module, example_args: tuple, method: str | N
     guards = () if method is None else tuple(target.taken.guards)
     adapter_reads = () if method is None else tuple(target.taken.reads)
     reads = _without_appended_lists(reads, program.logs)
-    reads = (reads + python_reads.across_runs(reads, module, runs) + names + adapter_reads
+    reads = (reads + python_reads.across_runs(reads, module, looped) + names + adapter_reads
              + python_reads.tensor_attributes(module) + (python_reads.HookGuard(module),))
     return replace(program, python_reads=reads, guards=guards, host_input=host_input if guards else None,
                    assignments=assignments)
@@ -299,8 +300,9 @@ def _without_appended_lists(reads, logs) -> tuple:
 
 def _capture(target: torch.nn.Module, args: tuple, kwargs: dict, runs: list) -> tuple:
     """The export of ``target(*args, **kwargs)`` with the layers of ``runs`` standing in as calls,
-    and the template of each distinct call; a run whose layers cannot stand in is captured inline,
-    one whose weights the model's code reads with its weights in place (``layer_weights``)."""
+    the template of each distinct call, and the runs that stood in; a run whose layers cannot
+    stand in is captured inline, one whose weights the model's code reads with its weights in
+    place (``layer_weights``)."""
     in_place = frozenset()
     while True:
         stand_ins = layer_calls.StandIns(runs, target, in_place)
@@ -308,6 +310,7 @@ def _capture(target: torch.nn.Module, args: tuple, kwargs: dict, runs: list) -> 
             with stand_ins.installed():
                 exported = capture.export(target, args, kwargs, _decompose, stand_ins.complete)
             templates = [layer_calls.capture_template(call, _template_program, _decompose) for call in stand_ins.calls]
+            _refuse_differences_read(runs)
         except layer_calls.NotRepeatable as refusal:
             runs = [run for index, run in enumerate(runs) if index != refusal.run]
             continue
@@ -317,7 +320,18 @@ def _capture(target: torch.nn.Module, args: tuple, kwargs: dict, runs: list) -> 
                 raise
             in_place |= {refused}
             continue
-        return exported, templates
+        return exported, templates, runs
+
+
+def _refuse_differences_read(runs: list) -> None:
+    """Raise :class:`~ipu_backend.compiler.layer_calls.NotRepeatable` for a run whose layers
+    differ in a plain attribute (``repeated_layers.differing_attributes``) that the capture read
+    of its first layer, or may have read (its reads are not noted: ``torch.cond``)."""
+    for index, run in enumerate(runs):
+        for path, name in sorted(repeated_layers.differing_attributes(run)):
+            notes = python_reads.noted(run[0].get_submodule(path))
+            if notes is None or name in notes:
+                raise layer_calls.NotRepeatable(index, f"the layers differ in {name}, which their forward reads")
 
 
 def _decompose(exported):

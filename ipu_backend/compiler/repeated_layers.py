@@ -4,10 +4,13 @@
 Two layers are structurally identical when they and every module inside them have the same
 class, the same parameter and buffer names, shapes, dtypes and ``requires_grad``, the same mode
 (``training``) and equal other attributes (numbers, strings, dtypes, tensors of equal values;
-any other object must be the very same one). Such layers compute the same function of their
-inputs and their own weights, so one capture of one of them describes them all. A module with
-hooks inside a layer, or a global module hook, makes nothing repeatable: a hook could tell the
-layers apart.
+any other object must be the very same one), but for plain scalars (numbers, strings, booleans,
+``None``, enum members, dtypes), which may differ (a block's index, as Hugging Face's and
+litgpt's blocks keep it): :func:`differing_attributes` names them, and the capture checks that
+the layers' forward does not read them. Such layers compute the same function of their inputs
+and their own weights, so one capture of one of them describes them all. A module with hooks
+inside a layer, or a global module hook, makes nothing repeatable: a hook could tell the layers
+apart.
 """
 
 import enum
@@ -36,6 +39,25 @@ def _value_key(value):
     if isinstance(value, _PLAIN):
         return (type(value), value)
     return ("object", id(value))
+
+
+_SCALAR = "a plain scalar"
+"""What a plain scalar attribute counts as in a layer's signature: layers may differ in them."""
+
+
+def _scalar(value) -> bool:
+    """A value whose reads the capture notes as guards (``python_reads``): layers may differ in
+    it where their forward does not read it."""
+    return type(value) in (bool, int, float, str, type(None)) or isinstance(value, (enum.Enum, torch.dtype))
+
+
+def differing_attributes(run: tuple[torch.nn.Module, ...]) -> set[tuple[str, str]]:
+    """``(module path inside a layer, attribute)`` of each plain scalar that differs between the
+    layers of ``run``."""
+    values = [{(path, name): _value_key(value) for path, module in layer.named_modules()
+               for name, value in vars(module).items() if name not in _MODULE_INTERNALS and _scalar(value)}
+              for layer in run]
+    return {key for key in values[0] if any(other[key] != values[0][key] for other in values[1:])}
 
 
 def _has_hooks(module: torch.nn.Module) -> bool:
@@ -72,7 +94,8 @@ def _signature(module, memo, inner):
     buffers = tuple((name, None) if b is None else
                     (name, tuple(b.shape), b.dtype, name in module._non_persistent_buffers_set)
                     for name, b in module._buffers.items())
-    attributes = tuple(sorted(((name, _value_key(value)) for name, value in vars(module).items()
+    attributes = tuple(sorted(((name, _SCALAR if _scalar(value) else _value_key(value))
+                               for name, value in vars(module).items()
                                if name not in _MODULE_INTERNALS), key=lambda item: item[0]))
     return (type(module), module.training, params, buffers, attributes, tuple(children))
 

@@ -16,6 +16,7 @@ import ipu_backend as poptorch
 from ipu_backend.compiler import compile_module, to_jax
 from ipu_backend.compiler.layer_calls import REPEATED_LAYER
 from ipu_backend.compiler.layer_loops import layer_loop
+from ipu_backend.runtime import executor
 from ipu_backend.runtime.multi_ipu import multi_ipu_program
 from ipu_backend.runtime.weights import weight_store
 
@@ -502,3 +503,38 @@ def test_a_later_layers_attribute_changed_after_compiling_is_computed_with():
     for layer in (2, 0):
         net.blocks[layer].scale = reference.blocks[layer].scale = 0.5 + layer
         torch.testing.assert_close(model(*args)[1], reference(*args)[1], rtol=RTOL, atol=ATOL)
+
+
+class IndexedBlock(GPTBlock):
+    """A block that keeps its index, as Hugging Face's and litgpt's blocks do; its forward reads
+    it when ``reads``."""
+
+    def __init__(self, index, reads):
+        super().__init__()
+        self.index, self.reads = index, reads
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y * (1 + self.index / 10) if self.reads else y
+
+
+@pytest.mark.parametrize("reads", [False, True], ids=["unread", "read"])
+def test_layers_differing_in_an_index_loop_unless_their_forward_reads_it(reads, monkeypatch):
+    torch.manual_seed(6)
+    net = TinyGPT(4)
+    net.blocks = nn.Sequential(*(IndexedBlock(index, reads) for index in range(4)))
+    args = gpt_batch()
+    logits, loss = net(*args)
+    loss.backward()
+    program = compile_module(net, args)
+    assert count(program, layer_loop) == (0 if reads else 1)
+    outputs, grads = jax_outputs_and_grads(program, net, args)
+    assert_close(outputs[0], logits)
+    assert_close(outputs[1], loss)
+    assert_grads(grads, net)
+    captures = []
+    monkeypatch.setattr(executor, "compile_module", lambda *a, **k: captures.append(a) or compile_module(*a, **k))
+    inference = poptorch.inferenceModel(net)
+    for _ in range(3):
+        torch.testing.assert_close(inference(*args)[1], net(*args)[1], rtol=RTOL, atol=ATOL)
+    assert len(captures) == 1, "the guards hold"
