@@ -18,7 +18,9 @@ Layers with buffers or hooks of their own, or that the tree holds more than once
 """
 
 import os
+import site
 import sys
+import sysconfig
 from collections.abc import Iterable
 
 import torch
@@ -27,7 +29,11 @@ from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 from ipu_backend.compiler import capture, python_reads
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep
-_STANDARD_LIBRARY = os.path.dirname(os.__file__) + os.sep
+_STANDARD_LIBRARY = sysconfig.get_paths()["stdlib"] + os.sep
+_INSTALLED = tuple({path + os.sep for path in (*site.getsitepackages(), sysconfig.get_paths()["purelib"],
+                                               sysconfig.get_paths()["platlib"])})
+"""Where installed packages live, inside the standard library's directory outside a virtual
+environment: their code (a model from a library) is not the standard library's."""
 _TREE_WALKERS = frozenset({capture.__file__, python_reads.__file__})
 """Files whose walks of the module tree may see a held layer's mapping empty: torch.export's
 caller (whose walks lift the parameters) and the notes of attributes read (empty mappings are no guards)."""
@@ -47,11 +53,16 @@ def _walked_by_export() -> bool:
     rather than the model's own: the first frame outside torch and the standard library tells."""
     frame = sys._getframe(3)          # past this, _walked and the mapping's method
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if not (filename.startswith(_TORCH) or filename.startswith(_STANDARD_LIBRARY)):
-            return filename in _TREE_WALKERS
+        if not library_code(frame.f_code.co_filename):
+            return frame.f_code.co_filename in _TREE_WALKERS
         frame = frame.f_back
     return False
+
+
+def library_code(filename: str) -> bool:
+    """Whether ``filename`` is torch's or the standard library's (not an installed package's)."""
+    return filename.startswith(_TORCH) or (filename.startswith(_STANDARD_LIBRARY)
+                                           and not filename.startswith(_INSTALLED))
 
 
 class _HeldParameters(dict):

@@ -4,6 +4,9 @@ penalty over ``self.parameters()``, a weight read by name, a refusal it catches,
 under ``torch.no_grad()``) is exported with them, its loss and gradients equal to torch eager.
 fp32 tolerance: 1e-5 relative, 1e-6 absolute."""
 
+import os
+import sysconfig
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -139,3 +142,14 @@ class InABranch(TinyGPT):
 def test_layers_called_in_a_cond_branch_equal_torch():
     torch.manual_seed(7)
     compiled_as_torch(InABranch(4), gpt_batch())
+
+
+def test_only_torch_and_the_standard_library_walk_on_behalf_of_the_capture(monkeypatch):
+    """Outside a virtual environment, installed packages (a model from a library) live inside
+    the standard library's directory: their code is the model's, not the standard library's."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    monkeypatch.setattr(layer_weights, "_INSTALLED", (os.path.join(stdlib, "site-packages") + os.sep,))
+    assert layer_weights.library_code(os.path.join(stdlib, "copy.py"))
+    assert layer_weights.library_code(torch.nn.Module.named_parameters.__code__.co_filename)
+    assert not layer_weights.library_code(os.path.join(stdlib, "site-packages", "litgpt", "model.py"))
+    assert not layer_weights.library_code(__file__)
