@@ -359,4 +359,3 @@ def across_runs(reads: tuple[Read, ...], module: torch.nn.Module, runs) -> tuple
                 path = paths[id(layer)] + read.path[len(first):]
                 mirrored.append(Read(weakref.ref(module.get_submodule(path)), path, read.name, read.value))
     return tuple(mirrored)
-
