@@ -21,7 +21,7 @@ from ipu_backend.errors import Error
 from ipu_backend.runtime import compile_hooks, host_optimizer, perf_counters, processes, program_cache
 from ipu_backend.runtime import replica_groups, serialization, variants
 from ipu_backend.runtime.compile_progress import CAPTURE, phase
-from ipu_backend.runtime.hyperparameters import HyperParameters, first_row, refuse_reads_changed
+from ipu_backend.runtime.hyperparameters import HyperParameters, refuse_reads_changed, row
 from ipu_backend.runtime.lifecycle import (
     NO_EXECUTABLE,
     CompiledStep,
@@ -455,7 +455,7 @@ class PoplarExecutor(Executor, perf_counters.ExecutionCounters):
             hyper = self._hypers.for_call(compiled.rule, self._optimizer, mesh, groups, iterations, advance,
                                           lambda: refuse_reads_changed(compiled.program, self._step_method))
             state.update(opt=self._optimizer_state(compiled.rule, params),
-                         scaler=self._scaler_state(compiled.rule, first_row(hyper, schedule)))
+                         scaler=self._scaler_state(compiled.rule, row(hyper, schedule, 0)))
         if mesh is not None and not self._is_resident(state):
             rows = state.pop("buffers") if schedule.per_replica_buffers else None   # already sharded
             state = processes.replicated(state, mesh, first_process=True)

@@ -72,13 +72,8 @@ def refuse_reads_changed(program, step_method: str | None) -> None:
                     "one optimizer step per call (device_iterations=1)")
 
 
-def first_row(hyper, schedule):
-    """The first device iteration's hyper-parameters of a call's (``hyper`` as the program takes it)."""
-    return jax.tree.map(lambda h: h[0], hyper) if schedule.hyperparameters_per_iteration else hyper
-
-
 def row(hyper, schedule, iteration: int):
-    """Device iteration ``iteration``'s hyper-parameters of a call's."""
+    """Device iteration ``iteration``'s hyper-parameters of a call's (``hyper`` as the program takes it)."""
     return jax.tree.map(lambda h: h[iteration], hyper) if schedule.hyperparameters_per_iteration else hyper
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from ipu_backend.compiler.list_appends import EVERY_MICRO_BATCH
 from ipu_backend.compiler.metric_states import TOTAL_SUFFIX
-from ipu_backend.runtime.hyperparameters import first_row, row
+from ipu_backend.runtime.hyperparameters import row
 from ipu_backend.runtime.recording import PIPELINED, SHARDED, StageFacts
 from ipu_backend.runtime.schedule import inference_order, training_order
 from ipu_backend.runtime.stage_program import MultiIpuSettings, StageProgram
@@ -184,7 +184,7 @@ class MultiIpuProgram:
         keys = [jax.device_put(key, s.rep) for s in stages]
         placed = None if schedule.hyperparameters_per_iteration else [jax.device_put(hyper, s.rep) for s in stages]
         dynamic = schedule.dynamic_loss_scaling
-        first = first_row(hyper, schedule)
+        first = row(hyper, schedule, 0)
         scalers = [jax.device_put(state["scaler"] if dynamic else {"scale": self.rule.loss_scale(first)}, s.rep)
                    for s in stages]
         accs = [s.zero_accumulator() for s in stages]
