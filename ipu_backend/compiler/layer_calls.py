@@ -215,10 +215,10 @@ class StandIns:
             return
         if self._held.refused:       # the model's code caught the refusal
             raise layer_weights.NotHeld(self._held.refused[0], "the model's code reads held weights")
-        calls = [node for node in exported.graph.nodes if node.target is REPEATED_LAYER and node.args[3] >= 0]
+        calls = _held_calls(exported.graph_module)
         nested = [node for module in exported.graph_module.modules()
                   if isinstance(module, torch.fx.GraphModule) and module is not exported.graph_module
-                  for node in module.graph.nodes if node.target is REPEATED_LAYER and node.args[3] >= 0]
+                  for node in _held_calls(module)]
         if nested:
             self._held.refuse(self.calls[nested[0].args[2]].run, "a layer is called in a nested graph")
         self._held.put_back(exported, calls, lambda node: self.calls[node.args[2]].state_names)
@@ -270,6 +270,11 @@ class StandIns:
             self.calls.append(call)
             self._by_key[key] = call
         return call
+
+
+def _held_calls(graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The ``repeated_layer`` calls of held layers in ``graph_module``'s own graph."""
+    return [node for node in graph_module.graph.nodes if node.target is REPEATED_LAYER and node.args[3] >= 0]
 
 
 class _LayerForward(torch.nn.Module):
